@@ -1,0 +1,90 @@
+"""Test, lint and demo sessions for the cauto monorepo.
+
+`nox` runs every test session (one per package, each in a venv holding only that package and its
+in-repo dependencies), the integration tests, the version-drift check and ruff. `nox -s demo` runs
+the main job. Every install goes through tools/constraints.txt, the one pin file (torch==2.13.0,
+the CPU build on local disk).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+CONSTRAINTS = str(ROOT / "tools" / "constraints.txt")
+
+#: package -> in-repo packages it needs (itself last), and extra test-only requirements
+PACKAGES = {
+    "cauto-plan": (["cauto-plan"], []),
+    "cauto-profiler": (["cauto-plan", "cauto-profiler"], ["transformers"]),
+    "cauto-solver": (["cauto-plan", "cauto-solver"], ["highspy"]),
+    "cauto-runtime": (["cauto-plan", "cauto-profiler", "cauto-runtime"], ["transformers"]),
+    "cauto": (["cauto-plan", "cauto-profiler", "cauto-solver", "cauto-runtime", "cauto"], ["transformers"]),
+}
+TEST_TOOLS = ["pytest", "pytest-xdist"]
+
+nox.options.sessions = ["versions", "lint", "tests", "integration"]
+nox.options.reuse_existing_virtualenvs = True
+
+
+def _install(session: nox.Session, packages: list[str], extra: list[str]) -> None:
+    paths = [str(ROOT / "packages" / p) for p in packages]
+    session.install("-c", CONSTRAINTS, *paths, *extra, *TEST_TOOLS)
+
+
+@nox.session
+@nox.parametrize("package", list(PACKAGES))
+def tests(session: nox.Session, package: str) -> None:
+    """Run one package's tests in a venv holding only that package and its in-repo dependencies."""
+    deps, extra = PACKAGES[package]
+    _install(session, deps, extra)
+    if package in ("cauto-plan", "cauto-solver"):
+        # The solver must run where torch cannot be imported: prove it before its tests run.
+        session.run("python", "-c", "import importlib.util, sys; "
+                    "sys.exit('torch is importable in the ' + sys.argv[1] + ' session') "
+                    "if importlib.util.find_spec('torch') else None", package)
+    session.run("pytest", str(ROOT / "packages" / package / "tests"), *session.posargs,
+                env={"OMP_NUM_THREADS": "1"})
+
+
+@nox.session
+def integration(session: nox.Session) -> None:
+    """Everything installed together: cross-package tests and the released-schema fixtures."""
+    _install(session, list(PACKAGES["cauto"][0]), ["transformers", "highspy", "matplotlib"])
+    session.run("pytest", str(ROOT / "integration_tests"), *session.posargs, env={"OMP_NUM_THREADS": "1"})
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff over the whole tree."""
+    session.install("-c", CONSTRAINTS, "ruff")
+    session.run("ruff", "check", str(ROOT))
+
+
+@nox.session(python=False)
+def versions(session: nox.Session) -> None:
+    """Fail when sibling packages' versions drift or their exact pins on each other disagree."""
+    found = {}
+    for name in PACKAGES:
+        project = tomllib.loads((ROOT / "packages" / name / "pyproject.toml").read_text())["project"]
+        found[name] = (project["version"], project.get("dependencies", []))
+    versions_seen = {v for v, _ in found.values()}
+    if len(versions_seen) != 1:
+        session.error(f"package versions drifted: { {k: v for k, (v, _) in found.items()} }")
+    (version,) = versions_seen
+    for name, (_, deps) in found.items():
+        for dep in deps:
+            dep_name = dep.split("=")[0].split(">")[0].split("<")[0].strip()
+            if dep_name in PACKAGES and dep != f"{dep_name}=={version}":
+                session.error(f"{name} depends on {dep!r}; siblings must pin each other exactly: {dep_name}=={version}")
+    session.log(f"all {len(found)} packages at {version}, sibling pins exact")
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job on its built-in default (see README)."""
+    _install(session, list(PACKAGES["cauto"][0]), ["transformers", "matplotlib"])
+    session.run("cauto", "demo", *session.posargs, env={"OMP_NUM_THREADS": "1"})

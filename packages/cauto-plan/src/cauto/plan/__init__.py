@@ -1,0 +1,29 @@
+"""cauto.plan: the versioned JSON documents that cauto's packages exchange.
+
+* graph: the profiled forward graph (written by cauto-profiler, read by cauto-solver)
+* plan: the parallel plan (written by cauto-solver, read by cauto-runtime)
+"""
+
+from cauto.plan.documents import GraphDocument, GraphNode, Labels, PlanDocument, TensorMeta, split_ref
+from cauto.plan.errors import DocumentError, MismatchError, VersionError
+from cauto.plan.fingerprint import graph_fingerprint
+from cauto.plan.io import (
+    check_document,
+    check_plan_matches_graph,
+    dump,
+    dumps,
+    load,
+    load_graph,
+    load_plan,
+    parse,
+)
+from cauto.plan.placements import format_placement, parse_placement
+from cauto.plan.schema import validate
+from cauto.plan.versioning import CURRENT_VERSION, NewerMinorVersionWarning
+
+__all__ = [
+    "CURRENT_VERSION", "DocumentError", "GraphDocument", "GraphNode", "Labels", "MismatchError",
+    "NewerMinorVersionWarning", "PlanDocument", "TensorMeta", "VersionError", "check_document",
+    "check_plan_matches_graph", "dump", "dumps", "format_placement", "graph_fingerprint", "load",
+    "load_graph", "load_plan", "parse", "parse_placement", "split_ref", "validate",
+]

@@ -1,0 +1,151 @@
+import copy
+import json
+import warnings
+
+import pytest
+
+from cauto.plan import (
+    DocumentError,
+    GraphDocument,
+    MismatchError,
+    NewerMinorVersionWarning,
+    PlanDocument,
+    VersionError,
+    check_document,
+    check_plan_matches_graph,
+    dump,
+    load,
+    load_graph,
+    load_plan,
+    parse_placement,
+)
+
+
+def test_graph_and_plan_round_trip_through_files(tmp_path, graph, plan):
+    dump(graph, tmp_path / "g.json")
+    dump(plan, tmp_path / "p.json")
+    g = load_graph(tmp_path / "g.json")
+    p = load_plan(tmp_path / "p.json", graph=g)
+    assert g.to_dict() == GraphDocument.from_dict(graph).to_dict()
+    assert p.to_dict() == plan
+    assert g.node_map()["linear"].labels.contracted() == "k"
+
+
+def test_dataclass_round_trip_is_identity_on_defaults(graph, plan):
+    again = GraphDocument.from_dict(graph).to_dict()
+    assert GraphDocument.from_dict(again).to_dict() == again
+    assert PlanDocument.from_dict(copy.deepcopy(plan)).to_dict() == copy.deepcopy(plan)
+
+
+def test_truncated_json_names_line_and_says_truncated(tmp_path, graph, plan):
+    text = json.dumps(copy.deepcopy(graph))
+    (tmp_path / "g.json").write_text(text[: len(text) // 2])
+    with pytest.raises(DocumentError, match="truncated") as info:
+        load(tmp_path / "g.json")
+    assert "g.json" in str(info.value)
+
+
+def test_wrong_kind_is_refused_with_path(graph, plan):
+    with pytest.raises(DocumentError) as info:
+        check_document(copy.deepcopy(graph), "plan")
+    assert info.value.path == "$.kind"
+    bad = copy.deepcopy(graph)
+    bad["kind"] = "weights"
+    with pytest.raises(DocumentError, match="kind"):
+        check_document(bad)
+
+
+def test_missing_required_field_names_its_path(graph, plan):
+    bad = copy.deepcopy(graph)
+    del bad["nodes"][2]["outputs"]
+    with pytest.raises(DocumentError) as info:
+        check_document(bad, "graph")
+    assert info.value.path == "$.nodes[2]"
+    assert "outputs" in str(info.value)
+
+
+def test_wrong_type_names_its_path_and_expected_type(graph, plan):
+    bad = copy.deepcopy(graph)
+    bad["nodes"][2]["outputs"][0]["bytes"] = "512"
+    with pytest.raises(DocumentError) as info:
+        check_document(bad, "graph")
+    assert info.value.path == "$.nodes[2].outputs[0].bytes"
+    assert "integer" in info.value.expected
+
+
+def test_unknown_major_version_names_both_versions(graph, plan):
+    bad = copy.deepcopy(graph)
+    bad["schema_version"] = "7.2"
+    with pytest.raises(VersionError) as info:
+        check_document(bad)
+    assert "7.2" in str(info.value) and "1.0" in str(info.value)
+
+
+def test_newer_minor_warns_and_accepts_unknown_fields(graph, plan):
+    newer = copy.deepcopy(graph)
+    newer["schema_version"] = "1.9"
+    newer["future_field"] = {"anything": 1}
+    with pytest.warns(NewerMinorVersionWarning):
+        check_document(newer, "graph")
+
+
+def test_current_version_reads_without_warning(graph, plan):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_document(copy.deepcopy(graph), "graph")
+
+
+def test_plan_naming_unknown_node_is_refused(graph, plan):
+    plan["nodes"]["ghost"] = {"inputs": [], "outputs": [["R"]]}
+    with pytest.raises(DocumentError) as info:
+        check_plan_matches_graph(plan, graph)
+    assert info.value.path == "$.nodes.ghost"
+
+
+def test_plan_for_another_graph_is_refused(graph, plan):
+    plan["graph_fingerprint"] = "0" * 64
+    with pytest.raises(MismatchError, match="model changed"):
+        check_plan_matches_graph(plan, graph)
+
+
+def test_edited_graph_fails_its_fingerprint(graph, plan):
+    bad = copy.deepcopy(graph)
+    bad["nodes"][2]["outputs"][0]["shape"] = [16, 9]
+    with pytest.raises(DocumentError) as info:
+        check_document(bad)
+    assert info.value.path == "$.fingerprint"
+
+
+def test_input_naming_a_later_node_is_refused(graph, plan):
+    bad = copy.deepcopy(copy.deepcopy(graph))
+    bad["nodes"][2]["inputs"] = ["sum", "p_w"]
+    with pytest.raises(DocumentError, match="no earlier node"):
+        check_document(bad)
+
+
+def test_bad_placement_string_is_refused_by_schema(graph, plan):
+    plan["nodes"]["linear"]["outputs"] = [["Shard(0)"]]
+    with pytest.raises(DocumentError) as info:
+        check_document(plan, "plan")
+    assert info.value.path.startswith("$.nodes.linear.outputs")
+
+
+def test_dump_leaves_no_partial_file_on_invalid_document(tmp_path, graph, plan):
+    bad = copy.deepcopy(graph)
+    del bad["memory"]
+    with pytest.raises(DocumentError):
+        dump(bad, tmp_path / "g.json")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_non_json_objects_are_rejected_not_executed(tmp_path, graph, plan):
+    (tmp_path / "evil.json").write_text('"__import__(\'os\').system(\'false\')"')
+    with pytest.raises(DocumentError, match="JSON str"):
+        load(tmp_path / "evil.json")
+
+
+def test_placement_strings_parse():
+    assert parse_placement("S(2)") == ("S", 2)
+    assert parse_placement("P(avg)") == ("P", "avg")
+    with pytest.raises(ValueError):
+        parse_placement("Shard(0)")

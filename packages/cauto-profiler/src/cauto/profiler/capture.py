@@ -1,0 +1,274 @@
+"""One capture for profiler and runtime: a model factory -> an ATen forward graph with stable names.
+
+``capture(fn)`` calls ``fn()`` on the meta device (nothing the size of the model is allocated),
+wraps the model so that the graph ends in the training loss, and exports it with
+``torch.export.export(strict=False)`` (training IR: ATen ops that autograd can differentiate).
+Node names of that graph are the node ids of the graph document and of the plan, so the runtime,
+which captures the same factory again, executes exactly the nodes the solver planned.
+
+Loss rule: the output's ``.loss`` if it has one, else the output if it is a scalar, else the sum
+of the first output tensor.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch.export.graph_signature import InputKind
+
+from cauto.plan import graph_fingerprint
+
+ModelFactory = Callable[[], tuple[torch.nn.Module, object]]
+
+#: ops that produce no value worth planning (asserts, in-place detaches of caches)
+_SKIPPED_TARGETS = {"aten._assert_tensor_metadata.default", "aten._assert_scalar.default",
+                    "aten.sym_constrain_range_for_size.default"}
+_LAYER_PATTERN = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
+_WRAPPER = "m"
+
+
+class CaptureError(RuntimeError):
+    """The model could not be captured; the message says why and what to do."""
+
+
+def loss_of(output: object) -> torch.Tensor:
+    """The training loss of a model output (see module docstring)."""
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
+        return output["loss"]
+    if isinstance(output, torch.Tensor):
+        return output if output.dim() == 0 else output.sum()
+    leaves = [x for x in pytree.tree_leaves(output) if isinstance(x, torch.Tensor)]
+    if not leaves:
+        raise CaptureError("the model returned no tensor; return a loss, logits, or an object with .loss")
+    return leaves[0] if leaves[0].dim() == 0 else leaves[0].sum()
+
+
+class LossWrapper(torch.nn.Module):
+    """Calls the model and reduces its output to the training loss; the model is the child 'm'."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.m = model
+
+    def forward(self, *args, **kwargs):
+        return loss_of(self.m(*args, **kwargs))
+
+
+def split_inputs(inputs: object) -> tuple[tuple, dict]:
+    """Normalize example inputs (tensor, tuple/list of tensors, or dict of keyword tensors)."""
+    if isinstance(inputs, torch.Tensor):
+        return (inputs,), {}
+    if isinstance(inputs, dict):
+        return (), dict(inputs)
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), {}
+    raise CaptureError(f"inputs must be a tensor, a tuple of tensors or a dict of tensors, not {type(inputs).__name__}")
+
+
+def build_on_meta(fn: ModelFactory) -> tuple[torch.nn.Module, tuple, dict]:
+    """Call the factory on the meta device; refuse models that allocated real memory."""
+    with torch.device("meta"):
+        result = fn()
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.nn.Module)):
+        raise CaptureError("the factory must return (model, inputs): an nn.Module and its example inputs")
+    model, inputs = result
+    real = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type != "meta"]
+    if real:
+        raise CaptureError(
+            f"the factory allocated real memory for {len(real)} tensors (first: {real[0]!r}); build the model "
+            "from its config and do not load weights inside the factory (the profiler builds it on the meta device)"
+        )
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "use_cache", False):
+        config.use_cache = False  # a KV cache is an inference feature; training graphs never need it
+    args, kwargs = split_inputs(inputs)
+    return model, args, kwargs
+
+
+@dataclass
+class Capture:
+    """A captured training forward graph and what the profiler and runtime need to use it."""
+
+    exported: torch.export.ExportedProgram
+    model: torch.nn.Module
+    args: tuple
+    kwargs: dict
+    #: placeholder name -> (kind, fully qualified name in the model or input name)
+    placeholders: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: placeholder name of a tied parameter -> placeholder that the graph really uses
+    tied: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        return self.exported.graph
+
+    def value_nodes(self) -> list[torch.fx.Node]:
+        """Nodes that become graph-document nodes, in execution order."""
+        return [n for n in self.graph.nodes if is_value_node(n)]
+
+    def structure(self) -> list[dict]:
+        """Graph-document nodes with their structural fields (the fingerprinted part)."""
+        return structure_nodes(self)
+
+    def fingerprint(self) -> str:
+        """The fingerprint of this graph, as written in graph and plan documents."""
+        return graph_fingerprint(self.structure())
+
+
+def capture(fn: ModelFactory) -> Capture:
+    """Build the model on meta, export its loss graph, and return the Capture."""
+    model, args, kwargs = build_on_meta(fn)
+    model.train()
+    wrapper = LossWrapper(model)
+    try:
+        exported = torch.export.export(wrapper, args, kwargs, strict=False)
+    except Exception as exc:  # torch raises many types here; the message is what the user needs
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        hint = ""
+        if "data-dependent" in str(exc).lower() or "guard" in str(exc).lower():
+            hint = (" — the model has a data-dependent op (nonzero, masked_select, .item(), MoE routing); "
+                    "give a size hint with cauto.profiler.size_hint or make the size static")
+        raise CaptureError(f"torch.export could not capture the model: {first}{hint}") from exc
+    return Capture(exported, model, args, kwargs, *_placeholders(exported))
+
+
+def _strip(fqn: str) -> str:
+    return fqn[len(_WRAPPER) + 1:] if fqn.startswith(_WRAPPER + ".") else fqn
+
+
+def _placeholders(exported: torch.export.ExportedProgram) -> tuple[dict, dict]:
+    kinds = {InputKind.PARAMETER: "param", InputKind.BUFFER: "buffer", InputKind.CONSTANT_TENSOR: "buffer",
+             InputKind.USER_INPUT: "input"}
+    places: dict[str, tuple[str, str]] = {}
+    for spec in exported.graph_signature.input_specs:
+        if spec.kind not in kinds:
+            raise CaptureError(f"unsupported graph input {spec.arg} of kind {spec.kind}")
+        name = spec.arg.name
+        places[name] = (kinds[spec.kind], _strip(spec.target) if spec.target else name)
+    # Tied parameters: export keeps one placeholder per parameter name but routes every use to one.
+    state = dict(exported.state_dict)
+    by_identity: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    used = {n.name for n in exported.graph.nodes if n.op == "placeholder" and n.users}
+    for name, (kind, fqn) in places.items():
+        if kind != "param":
+            continue
+        tensor = state.get(_WRAPPER + "." + fqn)
+        if tensor is None:
+            continue
+        key = id(tensor)
+        if key in by_identity:
+            first = by_identity[key]
+            canonical, other = (first, name) if first in used else (name, first)
+            tied[other] = canonical
+            by_identity[key] = canonical
+        else:
+            by_identity[key] = name
+    return places, tied
+
+
+def is_value_node(node: torch.fx.Node) -> bool:
+    """True for placeholders and ops that produce tensors (getitem is folded into 'node#k' refs)."""
+    if node.op == "placeholder":
+        return True
+    if node.op != "call_function" or node.target is _getitem:
+        return False
+    if str(node.target) in _SKIPPED_TARGETS:
+        return False
+    val = node.meta.get("val")
+    tensors = [v for v in pytree.tree_leaves(val) if isinstance(v, torch.Tensor)]
+    return bool(tensors)
+
+
+def _getitem(container, index):  # pragma: no cover - identity with operator.getitem below
+    return container[index]
+
+
+import operator  # noqa: E402
+
+_getitem = operator.getitem  # noqa: F811
+
+
+def output_tensors(node: torch.fx.Node) -> list[torch.Tensor]:
+    """The fake/meta tensors a node produces (several for tuple/list outputs)."""
+    return [v for v in pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
+
+
+def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The tensor-valued fx nodes among a node's args and kwargs, in flattened order (getitem kept)."""
+    flat = pytree.tree_leaves((node.args, node.kwargs))
+    return [a for a in flat if isinstance(a, torch.fx.Node) and output_tensors(a)]
+
+
+def ref_of(node: torch.fx.Node) -> str:
+    """The graph-document reference of an fx node: 'name', or 'producer#k' for getitem."""
+    if node.op == "call_function" and node.target is operator.getitem:
+        parent, index = node.args
+        return f"{ref_of(parent)}#{index}" if "#" not in ref_of(parent) else ref_of(parent)
+    return node.name
+
+
+def module_path(node: torch.fx.Node) -> str:
+    """The dotted path of the innermost module that ran this node ('' for the root)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return "" if path == _WRAPPER else _strip(path)
+
+
+def layer_of(module: str) -> tuple[str | None, int | None]:
+    """('transformer.h.*', 3) for 'transformer.h.3.attn': the repeat group of a module path."""
+    match = _LAYER_PATTERN.match(module)
+    if not match:
+        return None, None
+    return f"{match.group(1)}.*", int(match.group(2))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'float32' for torch.float32."""
+    return str(dtype).removeprefix("torch.")
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes of a tensor's elements (its logical size, not its storage)."""
+    return int(t.numel()) * t.element_size()
+
+
+def structure_nodes(cap: Capture) -> list[dict]:
+    """Graph-document nodes with only their structural fields, in execution order."""
+    nodes = []
+    for node in cap.value_nodes():
+        outs = [{"shape": [int(s) for s in t.shape], "dtype": dtype_name(t.dtype), "bytes": tensor_bytes(t)}
+                for t in output_tensors(node)]
+        entry: dict = {"id": node.name, "outputs": outs}
+        if node.op == "placeholder":
+            kind, target = cap.placeholders[node.name]
+            entry.update(kind=kind, op=kind, module=_parent(target) if kind != "input" else "", inputs=[],
+                         target=target)
+            if kind == "param":
+                entry["tied_to"] = cap.tied.get(node.name)
+                entry["requires_grad"] = True
+        else:
+            entry.update(kind="op", op=str(node.target), module=module_path(node),
+                         inputs=[ref_of(a) for a in tensor_inputs(node)])
+        layer, index = layer_of(entry["module"])
+        entry["layer"], entry["layer_index"] = layer, index
+        nodes.append(entry)
+    (out,) = [n for n in cap.graph.nodes if n.op == "output"]
+    loss = pytree.tree_leaves(out.args)[0]
+    nodes.append({"id": "output", "kind": "output", "op": "output", "module": "", "inputs": [ref_of(loss)],
+                  "outputs": [], "layer": None, "layer_index": None})
+    return nodes
+
+
+def _parent(fqn: str) -> str:
+    return fqn.rpartition(".")[0]
