@@ -1,0 +1,1 @@
+"""cauto.cli: the `cauto` command (see cauto.cli.main)."""

@@ -1,0 +1,71 @@
+"""The `cauto` command: one entry point over the packages' own commands.
+
+    cauto profile TARGET [...]         symbolic profile (cauto-profile)
+    cauto plan GRAPH --mesh 2x2 [...]  solve a plan (cauto-solve)
+    cauto run TARGET --plan P --nproc N [--steps K] [--verify]   torchrun wrapper
+    cauto explain PLAN [--html report.html]
+    cauto codegen PLAN --target T -o parallel_model.py
+    cauto demo                          profile -> plan -> train a small GPT on 4 CPU ranks
+"""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = __doc__
+
+
+def _profile(argv: list[str]) -> int:
+    from cauto.profiler.cli import main
+
+    return main(argv)
+
+
+def _plan(argv: list[str]) -> int:
+    from cauto.solver.cli import main
+
+    return main(argv)
+
+
+def _codegen(argv: list[str]) -> int:
+    from cauto.runtime.codegen_cli import main
+
+    return main(argv)
+
+
+def _run(argv: list[str]) -> int:
+    from cauto.cli.run import main
+
+    return main(argv)
+
+
+def _explain(argv: list[str]) -> int:
+    from cauto.cli.explain import main
+
+    return main(argv)
+
+
+def _demo(argv: list[str]) -> int:
+    from cauto.cli.demo import main
+
+    return main(argv)
+
+
+COMMANDS = {"profile": _profile, "plan": _plan, "run": _run, "explain": _explain, "codegen": _codegen, "demo": _demo}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch to a subcommand; return its exit code (2 for usage errors)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"cauto: unknown command {command!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    return COMMANDS[command](rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
