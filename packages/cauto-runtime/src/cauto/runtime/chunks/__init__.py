@@ -1,0 +1,15 @@
+"""Chunk-based heterogeneous memory for model state (PatrickStar-style), with ZeRO data parallelism.
+
+Entry point: :func:`wrap`. See ``manager.py`` for the placement policy.
+"""
+
+from .chunk import Layout, ParamSlot, TensorState, build_layout, chunk_state, search_chunk_elems
+from .manager import ChunkManager
+from .memory import Arena, BudgetError, TrafficCounter, parse_bytes
+from .model import ChunkedModel
+from .optim import ChunkedAdam
+from .wrap import chunk_module, load_checkpoint, save_checkpoint, wrap
+
+__all__ = ["Arena", "BudgetError", "ChunkManager", "ChunkedAdam", "ChunkedModel", "Layout", "ParamSlot",
+           "TensorState", "TrafficCounter", "build_layout", "chunk_module", "chunk_state", "load_checkpoint", "parse_bytes",
+           "save_checkpoint", "search_chunk_elems", "wrap"]

@@ -1,0 +1,141 @@
+"""Chunk layout, tensor states and the chunk-size search (PatrickStar §4 of ALGORITHMS.md).
+
+Parameters are packed in registration order, one optimizer parameter group at a time, into chunks
+of one fixed number of elements. The same layout serves every chunk list (compute-precision
+params, fp32 gradients, fp32 master params, Adam m and v), so the lists mirror each other: the
+element range of a parameter is the same in all of them. A parameter never spans two chunks.
+Offsets are aligned to 64 bytes so parameter views have the alignment of fresh allocations.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+ALIGN_ELEMS = 16  # 64 bytes of fp32
+
+
+class TensorState(enum.Enum):
+    """Life-cycle state of one parameter tensor inside its chunk."""
+
+    FREE = "free"                      # no payload (ZeRO: a chunk this rank does not own, not gathered)
+    COMPUTE = "compute"                # an operator is using it now: its chunk must stay on the device
+    HOLD = "hold"                      # payload valid, not in use
+    HOLD_AFTER_FWD = "hold_after_fwd"  # used in this forward, not yet in backward
+    HOLD_AFTER_BWD = "hold_after_bwd"  # its gradient of this backward is accumulated
+
+
+def chunk_state(states: list[TensorState]) -> TensorState:
+    """A chunk's state derived from its tensors': COMPUTE wins, then FREE if all free, then the
+    weakest hold (HOLD_AFTER_BWD only when every tensor is there)."""
+    if any(s is TensorState.COMPUTE for s in states):
+        return TensorState.COMPUTE
+    if all(s is TensorState.FREE for s in states):
+        return TensorState.FREE
+    if all(s is TensorState.HOLD_AFTER_BWD for s in states):
+        return TensorState.HOLD_AFTER_BWD
+    if any(s is TensorState.HOLD_AFTER_FWD for s in states):
+        return TensorState.HOLD_AFTER_FWD
+    return TensorState.HOLD
+
+
+@dataclass
+class ParamSlot:
+    """Where one parameter lives: chunk index and element range, plus its current state."""
+
+    name: str
+    param: torch.nn.Parameter
+    group: int
+    chunk: int
+    offset: int
+    numel: int
+    shape: torch.Size
+    state: TensorState = TensorState.HOLD
+    has_grad: bool = False
+
+
+@dataclass
+class Layout:
+    """The packing of all parameters into ``num_chunks`` chunks of ``chunk_elems`` elements."""
+
+    chunk_elems: int
+    slots: list[ParamSlot]
+    chunk_group: list[int]            # optimizer param group of each chunk (-1: padding chunk)
+    chunk_slots: list[list[ParamSlot]] = field(default_factory=list)
+
+    @property
+    def num_chunks(self) -> int:
+        """Number of chunks, padding chunks included."""
+        return len(self.chunk_group)
+
+    def waste_elems(self) -> int:
+        """Elements of all chunks not covered by a parameter (alignment and tail padding)."""
+        return self.num_chunks * self.chunk_elems - sum(s.numel for s in self.slots)
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN_ELEMS - 1) // ALIGN_ELEMS * ALIGN_ELEMS
+
+
+def _count_chunks(group_numels: list[list[int]], chunk_elems: int) -> int | None:
+    count = 0
+    for numels in group_numels:
+        used = None
+        for n in numels:
+            if n > chunk_elems:
+                return None
+            if used is None or used + n > chunk_elems:
+                count += 1
+                used = 0
+            used += _aligned(n)
+    return count
+
+
+def search_chunk_elems(group_numels: list[list[int]], world_size: int = 1, min_elems: int = 0,
+                       max_elems: int | None = None, step: int = 1024) -> int:
+    """Return the chunk size (elements) in ``[max(largest param, min_elems), max_elems]`` whose
+    layout wastes the fewest padding elements (chunk count padded to a multiple of world_size);
+    ties go to the smaller chunk, which pages at a finer grain."""
+    largest = max((n for numels in group_numels for n in numels), default=1)
+    lo = max(_aligned(largest), min_elems, ALIGN_ELEMS)
+    total = sum(n for numels in group_numels for n in numels)
+    hi = max(lo, max_elems if max_elems is not None else sum(_aligned(n) for ns in group_numels for n in ns))
+    best, best_waste = lo, None
+    size = lo
+    while size <= hi:
+        count = _count_chunks(group_numels, size)
+        count = -(-count // world_size) * world_size
+        waste = count * size - total
+        if best_waste is None or waste < best_waste:
+            best, best_waste = size, waste
+        size = (size // step + 1) * step
+    return best
+
+
+def build_layout(named_params: list[tuple[str, torch.nn.Parameter]], param_groups: list[list[int]],
+                 chunk_elems: int, world_size: int = 1) -> Layout:
+    """Pack parameters (indices into ``named_params`` per optimizer group, each in registration
+    order) into chunks; pad the chunk count to a multiple of ``world_size``."""
+    slots: list[ParamSlot] = []
+    chunk_group: list[int] = []
+    for g, members in enumerate(param_groups):
+        used = None
+        for i in members:
+            name, p = named_params[i]
+            n = p.numel()
+            if n > chunk_elems:
+                raise ValueError(f"parameter {name} has {n} elements, more than the chunk size {chunk_elems}; "
+                                 "pass a larger chunk_elems or leave it to the search")
+            if used is None or used + n > chunk_elems:
+                chunk_group.append(g)
+                used = 0
+            slots.append(ParamSlot(name, p, g, len(chunk_group) - 1, used, n, p.shape))
+            used += _aligned(n)
+    while len(chunk_group) % world_size:
+        chunk_group.append(-1)
+    chunk_slots: list[list[ParamSlot]] = [[] for _ in chunk_group]
+    for s in slots:
+        chunk_slots[s.chunk].append(s)
+    return Layout(chunk_elems, slots, chunk_group, chunk_slots)

@@ -1,0 +1,173 @@
+"""The wrapped model: module hooks that fetch parameter chunks, saved-tensor hooks, gradient hooks.
+
+* Forward: a module's pre-forward hook gathers (ZeRO) and fetches the chunks of its own parameters
+  and pins them (COMPUTE); its post-forward hook unpins them (HOLD_AFTER_FWD).
+* Saved tensors: a tensor autograd saves that views a parameter chunk is saved as (chunk, offset,
+  shape, stride), never as a pointer into a slot, because the chunk may move before backward. When
+  backward unpacks it, the chunk is fetched again (pre-backward use, at the exact operator) and the
+  view rebuilt where the chunk is now. The last ``BACKWARD_PINS`` distinct chunks stay pinned.
+* Gradients: a post-accumulate-grad hook adds ``param.grad`` into the fp32 gradient chunk, drops
+  ``param.grad`` and marks the tensor HOLD_AFTER_BWD (with ZeRO this can complete a group and
+  trigger its reduce-scatter). Tied parameters get one hook call per backward, after both uses.
+* Recomputation (``torch.utils.checkpoint`` inside the model): a forward that runs during backward
+  keeps its chunks pinned until all their tensors are HOLD_AFTER_BWD, because the recomputed
+  activations view the slots directly (checkpoint's own saved-tensor hooks replace ours there).
+* Non-model memory for the warm-up trace: on CUDA, allocated bytes minus the arena; on CPU, the
+  distinct storages autograd saves plus the gradient being accumulated (activations are what
+  dominates non-model memory; workspace of individual operators is not seen there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .chunk import Layout, TensorState
+from .manager import BACKWARD_PINS, GRAD, PARAM, ChunkManager
+
+
+@dataclass(frozen=True)
+class _ParamRef:
+    index: int
+    offset: int
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+
+class ChunkedModel(nn.Module):
+    """A model whose parameters live in chunks; call it like the original module."""
+
+    def __init__(self, module: nn.Module, manager: ChunkManager, layout: Layout):
+        super().__init__()
+        self.module = module
+        self.manager = manager
+        self.layout = layout
+        self._slot_of = {id(s.param): s for s in layout.slots}
+        self._module_slots: dict[nn.Module, list] = {}
+        for m in module.modules():
+            slots = [self._slot_of[id(p)] for p in m.parameters(recurse=False) if id(p) in self._slot_of]
+            if slots:
+                self._module_slots[m] = slots
+                m.register_forward_pre_hook(self._pre_forward)
+                m.register_forward_hook(self._post_forward)
+        for s in layout.slots:
+            s.param.register_post_accumulate_grad_hook(self._grad_hook)
+        self._in_backward = False
+        self._ring: list[tuple[str, int]] = []
+        self._recompute_pins: dict[int, int] = {}
+        self._saved_storages: dict[int, int] = {}
+        self.new_iteration = False
+
+    def forward(self, *args, **kwargs):
+        """Run the wrapped module (floating inputs cast to the compute dtype); return its output."""
+        mgr = self.manager
+        if self.new_iteration:
+            mgr.iteration_start()
+            self.new_iteration = False
+        mgr.begin_forward()
+        self._saved_storages.clear()
+        mgr.nonmodel_bytes = 0
+        if mgr.compute_dtype != torch.float32:
+            cast = lambda x: x.to(mgr.compute_dtype) if torch.is_tensor(x) and x.is_floating_point() else x  # noqa: E731
+            args = tuple(cast(a) for a in args)
+            kwargs = {k: cast(v) for k, v in kwargs.items()}
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            out = self.module(*args, **kwargs)
+        mgr.gather_groups(mgr.num_groups)  # same all-gathers on every rank, used or not
+        return out
+
+    # ---------------------------------------------------------------- forward hooks
+    def _pre_forward(self, module, args):
+        recompute = torch._C._current_graph_task_id() != -1
+        if recompute:
+            self._begin_backward()
+        for i in sorted({s.chunk for s in self._module_slots[module]}):
+            self.manager.gather_for(i)
+            self.manager.access((PARAM, i))
+            if recompute:
+                self._recompute_pins[i] = self._recompute_pins.get(i, 0) + 1
+        if not recompute:
+            for s in self._module_slots[module]:
+                s.state = TensorState.COMPUTE
+
+    def _post_forward(self, module, args, output):
+        if torch._C._current_graph_task_id() != -1:
+            return  # recomputation: chunks stay pinned until their gradients are in
+        for i in sorted({s.chunk for s in self._module_slots[module]}):
+            self.manager.release((PARAM, i))
+        for s in self._module_slots[module]:
+            s.state = TensorState.HOLD_AFTER_FWD
+
+    # ---------------------------------------------------------------- saved tensors
+    def _pack(self, t: torch.Tensor):
+        try:
+            found = self.manager.find_param_chunk(t)
+            ptr = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return t
+        if found is not None:
+            chunk, offset = found
+            return _ParamRef(chunk.index, offset, t.shape, t.stride())
+        if self.manager.device.type == "cpu" and ptr not in self._saved_storages:
+            self._saved_storages[ptr] = t.untyped_storage().nbytes()
+            self.manager.nonmodel_bytes += self._saved_storages[ptr]
+        return t
+
+    def _unpack(self, saved):
+        if not isinstance(saved, _ParamRef):
+            return saved
+        self._begin_backward()
+        key = (PARAM, saved.index)
+        base = self.manager.access(key)
+        if key in self._ring:
+            self.manager.release(key)
+        else:
+            self._ring.append(key)
+            if len(self._ring) > BACKWARD_PINS:
+                self.manager.release(self._ring.pop(0))
+        return base.as_strided(saved.shape, saved.stride, base.storage_offset() + saved.offset)
+
+    # ---------------------------------------------------------------- backward
+    def _begin_backward(self):
+        if self._in_backward:
+            return
+        self._in_backward = True
+        self.manager.begin_backward()
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _grad_hook(self, param: torch.Tensor) -> None:
+        self._begin_backward()
+        mgr = self.manager
+        s = self._slot_of[id(param)]
+        grad = param.grad
+        param.grad = None
+        extra = grad.numel() * grad.element_size() if mgr.device.type == "cpu" else 0
+        mgr.nonmodel_bytes += extra
+        key = (GRAD, s.chunk)
+        buf = mgr.access(key)
+        buf[s.offset: s.offset + s.numel].add_(grad.reshape(-1))
+        mgr.mark_dirty(mgr.chunks[key])
+        mgr.release(key)
+        mgr.nonmodel_bytes -= extra
+        s.state = TensorState.HOLD_AFTER_BWD
+        s.has_grad = True
+        if s.chunk in self._recompute_pins and all(
+                x.state is TensorState.HOLD_AFTER_BWD for x in self.layout.chunk_slots[s.chunk]):
+            for _ in range(self._recompute_pins.pop(s.chunk)):
+                mgr.release((PARAM, s.chunk))
+        mgr.grad_done(s.chunk)
+
+    def _end_backward(self):
+        for key in self._ring:
+            self.manager.release(key)
+        self._ring.clear()
+        for i, pins in self._recompute_pins.items():
+            for _ in range(pins):
+                self.manager.release((PARAM, i))
+        self._recompute_pins.clear()
+        self.manager.end_backward()
+        self._in_backward = False
+        self._saved_storages.clear()
+        self.manager.nonmodel_bytes = 0
