@@ -1,0 +1,94 @@
+"""`cauto-solve`: plan a graph document on a mesh, or explain a plan.
+
+    cauto-solve GRAPH --mesh 2x4 [--axis-names dp,tp] [--cluster FILE|PRESET] [--memory 70GiB]
+                [--solver cbc|highs] [--time-limit S] -o plan.json
+    cauto-solve explain PLAN [--graph GRAPH]
+
+Bad input (invalid documents, a bad mesh, an unknown preset) exits with status 2 and one line on
+stderr; an infeasible memory budget exits 1 naming the least memory needed. No partial plan file
+is ever left behind (cauto.plan.dump writes atomically, and only after solving).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+from cauto.plan import DocumentError, dump, load, load_graph
+from cauto.solver.cluster import PRESETS, cluster_for_mesh, parse_mesh
+from cauto.solver.errors import InfeasibleBudgetError, SolverError
+from cauto.solver.summary import explain, summary
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'70GiB' -> 75161927680; plain numbers are bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text or "")
+    if not m or m.group(2).lower() not in _UNITS:
+        raise SolverError(f"memory {text!r} is not a size like 70GiB, 512MiB, 80GB or 1e9")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # exit 2 with one line, as argparse does, but never a traceback
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _solve_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="cauto-solve", description="Plan a profiled graph on a device mesh (writes a plan document).")
+    p.add_argument("graph", help="graph document (JSON) written by the profiler")
+    p.add_argument("--mesh", required=True, help="mesh shape, e.g. 8, 2x4, 2x2x2")
+    p.add_argument("--axis-names", help="comma-separated mesh axis names (default dp / dp,tp / a0,dp,tp)")
+    p.add_argument("--cluster", default="cpu-gloo",
+                   help=f"preset ({', '.join(sorted(PRESETS))}) or spec file from tools/calibrate.py")
+    p.add_argument("--memory", help="per-device memory budget, e.g. 70GiB (default: the device's memory)")
+    p.add_argument("--solver", default="cbc", choices=["cbc", "highs"])
+    p.add_argument("--time-limit", type=float, default=60.0, help="solver time limit in seconds")
+    p.add_argument("-o", "--output", required=True, help="where to write the plan document")
+    return p
+
+
+def _explain_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="cauto-solve explain", description="Print a plan's placements per layer.")
+    p.add_argument("plan")
+    p.add_argument("--graph", help="the graph document, to list op nodes by module too")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `cauto-solve`; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] == "explain":
+            args = _explain_parser().parse_args(argv[1:])
+            plan = load(args.plan, "plan")
+            graph = load(args.graph, "graph") if args.graph else None
+            print(explain(plan, graph))
+            return 0
+        args = _solve_parser().parse_args(argv)
+        from cauto.solver.solve import solve
+
+        shape = parse_mesh(args.mesh)
+        names = tuple(s.strip() for s in args.axis_names.split(",")) if args.axis_names else None
+        cluster = cluster_for_mesh(args.cluster, shape, names)
+        budget = parse_bytes(args.memory) if args.memory else None
+        graph = load_graph(args.graph)
+        plan = solve(graph, cluster, memory_budget=budget, time_limit_s=args.time_limit, solver=args.solver)
+        dump(plan, args.output)
+        print(summary(plan))
+        print(f"plan written to {args.output}")
+        return 0
+    except InfeasibleBudgetError as exc:
+        print(f"cauto-solve: {exc}", file=sys.stderr)
+        return 1
+    except (SolverError, DocumentError, json.JSONDecodeError, OSError) as exc:
+        print(f"cauto-solve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""The sharding ILP (Alpa §4 in our words), built with PuLP and solved by CBC or HiGHS.
+
+Variables
+    x[v, p] ∈ {0,1}   option p of variable v (groups.py maps nodes onto variables)
+    e[a, b, p, q] ≥ 0 option pair of two variables joined by an edge whose cost is not separable
+    c_k ≥ 0           activation bytes saved up to the k-th memory check point
+Constraints
+    Σ_p x[v, p] = 1                                      one option per variable
+    Σ_q e[a, b, p, q] = x[a, p],  Σ_p e[a, b, p, q] = x[b, q]   e is the outer product of two one-hots
+    (options of a whose cost and memory rows are identical share one row of e, and so do columns: the
+    row constraint then reads Σ_q e[a, b, r, q] = Σ_{p in row class r} x[a, p]; still exact for
+    one-hot x, and 125x125 pairs on 3-D meshes shrink to a few hundred entries)
+    c_k = c_{k−1} + Σ_{ops i in (t_{k−1}, t_k]} (saved_i · x + gathered_i · e)      (cumulative saved bytes;
+          gathered: parameter copies an op saves after an all-gather, a function of the pair)
+    Σ_params state · x + c_k + transient_{t_k} · x ≤ M   at every check point t_k (Alpa's per-step peak)
+Objective (seconds; handed to the solver in microseconds, with a relative gap of 1e-9, so that
+differences of well under a microsecond still decide)
+    min Σ_v node_cost[v] · x[v] + Σ_(a,b) pair_cost[a, b] · e[a, b]
+
+Check points are the op steps with a transient term and the last op step; with saved bytes never
+decreasing, the other steps cannot hold the peak. With M absent the memory rows are left out.
+For an infeasible budget, ``minimize_peak`` solves the same model with M as the objective.
+Given one-hot x the transport rows force e to be integral, so e is continuous.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pulp
+from cauto.solver.errors import SolverError
+from cauto.solver.groups import Problem
+
+SOLVERS = ("cbc", "highs")
+
+
+@dataclass
+class IlpResult:
+    """What the solver returned: one option per variable, status and numbers for the plan."""
+
+    choice: list[int]
+    status: str
+    objective: float
+    gap: float | None
+    time_s: float
+    num_variables: int
+    num_constraints: int
+    feasible: bool
+
+
+#: objective scale handed to the solver: microseconds
+SCALE = 1e6
+GAP_REL = 1e-9
+
+
+def _solver(name: str, time_limit_s: float):
+    if name == "cbc":
+        return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, threads=1, gapRel=GAP_REL,
+                                 options=["randomSeed 42"])
+    if name == "highs":
+        solver = pulp.HiGHS(msg=False, timeLimit=time_limit_s, threads=1, gapRel=GAP_REL, random_seed=42)
+        if not solver.available():
+            raise SolverError("HiGHS is not available: pip install highspy (or use solver='cbc')")
+        return solver
+    raise SolverError(f"unknown solver {name!r}; use one of {SOLVERS}")
+
+
+def _dot(coef: np.ndarray, xs: list) -> list:
+    return [(xs[i], float(c)) for i, c in enumerate(coef) if c != 0.0]
+
+
+def _expr(terms: list) -> pulp.LpAffineExpression:
+    """A sum of (variable, coefficient) terms; repeated variables add up (LpAffineExpression keeps the last)."""
+    acc: dict = {}
+    for var, coef in terms:
+        acc[var] = acc.get(var, 0.0) + coef
+    return pulp.LpAffineExpression(list(acc.items()))
+
+
+def build(problem: Problem, memory_budget: int | None, *, minimize_peak: bool = False, relax: bool = False):
+    """The PuLP model of ``problem`` (module docstring); returns (model, x variables, peak variable)."""
+    cat = pulp.LpContinuous if relax else pulp.LpBinary
+    prob = pulp.LpProblem("cauto_sharding", pulp.LpMinimize)
+    x = [[pulp.LpVariable(f"x_{v}_{p}", 0, 1, cat) for p in range(n)] for v, n in enumerate(problem.var_sizes)]
+    for v, xs in enumerate(x):
+        prob += pulp.lpSum(xs) == 1, f"one_{v}"
+    objective = []
+    for v, xs in enumerate(x):
+        objective += _dot(problem.node_cost[v] * SCALE, xs)
+    pair_e: dict[tuple[int, int], tuple[list, np.ndarray, np.ndarray]] = {}
+    for (a, b), m in sorted(problem.pair_cost.items()):
+        mats = [m, *problem.pair_mem.get((a, b), [])]
+        _, row_of = np.unique(np.hstack(mats), axis=0, return_inverse=True)
+        row_of = row_of.reshape(-1)
+        first_row = [int(np.flatnonzero(row_of == i)[0]) for i in range(row_of.max() + 1)]
+        _, col_of = np.unique(np.vstack([mm[first_row] for mm in mats]), axis=1, return_inverse=True)
+        col_of = col_of.reshape(-1)
+        first_col = [int(np.flatnonzero(col_of == j)[0]) for j in range(col_of.max() + 1)]
+        reduced = m[np.ix_(first_row, first_col)]
+        na, nb = reduced.shape
+        e = [[pulp.LpVariable(f"e_{a}_{b}_{i}_{j}", 0, 1) for j in range(nb)] for i in range(na)]
+        for i in range(na):
+            members = [x[a][p] for p in np.flatnonzero(row_of == i)]
+            prob += pulp.lpSum(e[i]) == pulp.lpSum(members), f"row_{a}_{b}_{i}"
+        for j in range(nb):
+            members = [x[b][q] for q in np.flatnonzero(col_of == j)]
+            prob += pulp.lpSum(e[i][j] for i in range(na)) == pulp.lpSum(members), f"col_{a}_{b}_{j}"
+        objective += [(e[i][j], float(reduced[i, j]) * SCALE) for i in range(na) for j in range(nb)
+                      if reduced[i, j] != 0.0]
+        pair_e[(a, b)] = (e, np.array(first_row), np.array(first_col))
+    peak = None
+    if memory_budget is not None or minimize_peak:
+        peak = pulp.LpVariable("peak", 0) if minimize_peak else None
+        limit = peak if minimize_peak else float(memory_budget)
+        state = _expr([t for v, coef in problem.state_terms for t in _dot(coef, x[v])])
+        prev = None
+        pending: list = []
+        last = len(problem.step_terms) - 1
+        for t, step in enumerate(problem.step_terms):
+            tv, trans = step.transient
+            for sv, saved in step.saved:
+                pending += _dot(saved, x[sv])
+            for a, b, i in step.pair_saved:
+                e, rows, cols = pair_e[(a, b)]
+                mem = problem.pair_mem[(a, b)][i][np.ix_(rows, cols)]
+                pending += [(e[r][c], float(mem[r, c])) for r, c in zip(*np.nonzero(mem))]
+            if not trans.any() and t != last:
+                continue
+            c = pulp.LpVariable(f"c_{t}", 0)
+            prob += c == _expr(pending) + (prev if prev is not None else 0), f"cum_{t}"
+            prob += state + c + _expr(_dot(trans, x[tv])) <= limit, f"mem_{t}"
+            prev, pending = c, []
+        if prev is None:
+            prob += state <= limit, "mem_state"
+    if minimize_peak:
+        prob.setObjective(pulp.LpAffineExpression([(peak, 1.0)]))
+    else:
+        prob.setObjective(_expr(objective))
+    return prob, x
+
+
+@contextlib.contextmanager
+def _quiet_stdout():
+    """Silence the C-level banner highspy prints on stdout whatever its options say."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no real file descriptor 1 (embedded interpreters)
+        yield
+        return
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 1)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
+def _run(prob, backend) -> None:
+    with _quiet_stdout() if isinstance(backend, pulp.HiGHS) else contextlib.nullcontext():
+        prob.solve(backend)
+
+
+def _read_choice(x) -> list[int]:
+    return [int(np.argmax([v.varValue or 0.0 for v in xs])) for xs in x]
+
+
+def _gap(prob, problem: Problem, memory_budget, minimize_peak: bool, solver: str, time_limit_s: float,
+         objective: float) -> float | None:
+    """Relative gap of a solution the time limit cut short: HiGHS reports it; for CBC the LP relaxation
+    (solved under the same time limit) bounds it. None when no bound is known."""
+    model = getattr(prob, "solverModel", None)
+    if solver == "highs" and model is not None:
+        gap = float(model.getInfo().mip_gap)
+        return gap if np.isfinite(gap) else None
+    relaxed, _ = build(problem, memory_budget, minimize_peak=minimize_peak, relax=True)
+    _run(relaxed, _solver(solver, time_limit_s))
+    if relaxed.sol_status != pulp.LpSolutionOptimal:
+        return None
+    bound = float(pulp.value(relaxed.objective) or 0.0) / (1.0 if minimize_peak else SCALE)
+    return max(0.0, (objective - bound) / objective) if objective > 0 else 0.0
+
+
+def solve_ilp(problem: Problem, memory_budget: int | None, *, solver: str = "cbc", time_limit_s: float = 60.0,
+              minimize_peak: bool = False) -> IlpResult:
+    """Solve the model; ``feasible`` is False when no assignment fits ``memory_budget``."""
+    start = time.perf_counter()
+    prob, x = build(problem, memory_budget, minimize_peak=minimize_peak)
+    _run(prob, _solver(solver, time_limit_s))
+    elapsed = time.perf_counter() - start
+    nvars, ncons = prob.numVariables(), prob.numConstraints()
+    status = pulp.LpStatus.get(prob.status, "Undefined")
+    if status == "Infeasible" or (prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)):
+        if status in ("Infeasible", "Undefined") or prob.sol_status == pulp.LpSolutionInfeasible:
+            return IlpResult([], "infeasible", float("nan"), None, elapsed, nvars, ncons, False)
+        raise SolverError(f"{solver} returned status {status!r} (solution status {prob.sol_status}); "
+                          f"raise the time limit ({time_limit_s} s) or try the other solver")
+    choice = _read_choice(x)
+    objective = float(pulp.value(prob.objective) or 0.0) / (1.0 if minimize_peak else SCALE)
+    if prob.sol_status == pulp.LpSolutionOptimal:
+        return IlpResult(choice, "optimal", objective, 0.0, elapsed, nvars, ncons, True)
+    gap = _gap(prob, problem, memory_budget, minimize_peak, solver, time_limit_s, objective)
+    return IlpResult(choice, "time_limit", objective, gap, time.perf_counter() - start, nvars, ncons, True)

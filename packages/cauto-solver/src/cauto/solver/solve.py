@@ -1,0 +1,221 @@
+"""solve(graph, cluster) -> plan document: strategies, variables, ILP, then the plan and its predictions.
+
+Steps: validate the graph; enumerate strategies on the mesh (strategies.py); calibrate memory
+(memory.py); map nodes to variables (groups.py); solve the ILP (ilp.py) — for an infeasible budget,
+solve for the least peak and raise InfeasibleBudgetError; write the plan:
+
+* ``nodes``: every non-output node's chosen input/output placements; a tied parameter copies the
+  placement of the parameter it is tied to.
+* ``edges``: every op input whose producer's placement differs from what the op needs, with the
+  forward collectives and forward + backward seconds.
+* ``grad_sync``: collectives that bring each parameter's gradient (Partial on axes where its
+  consumers split a letter it lacks) to its storage placement after backward.
+* ``predictions.collectives``: every collective of a step: forward edges; the backward of each
+  edge (gradient from its arriving placement back to the source's); implicit reductions of
+  gradients that arrive Partial at non-parameter producers, once per producer and distinct
+  gradient placement (autograd sums Partial gradients before the producer's backward reduces
+  them); grad_sync. ``step_time_s.communication`` is their sum; compute is the roofline sum.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+from cauto.plan import GraphDocument, check_document, check_plan_matches_graph, split_ref
+from cauto.plan.errors import DocumentError
+from cauto.solver.cluster import ClusterSpec
+from cauto.solver.cost import CostModel
+from cauto.solver.errors import InfeasibleBudgetError, SolverError
+from cauto.solver.groups import Problem, build_problem, enumerate_strategies, fanouts, tensor_requires_grad
+from cauto.solver.ilp import solve_ilp
+from cauto.solver.memory import MemoryModel
+from cauto.solver.reshard import Collective, backward_target, is_partial, reshard
+from cauto.solver.strategies import Strategy
+
+
+def _graph(graph: GraphDocument | Mapping) -> GraphDocument:
+    if isinstance(graph, GraphDocument):
+        return graph  # made by cauto.plan.load_graph, which validated it
+    try:
+        return GraphDocument.from_dict(check_document(dict(graph), "graph"))
+    except DocumentError as exc:
+        raise SolverError(f"invalid graph document: {exc}") from None
+
+
+def build(graph: GraphDocument, cluster: ClusterSpec, *, follow: bool = True, share_layers: bool = True):
+    """(strategies, cost model, memory model, problem) of a validated graph on a cluster."""
+    mesh = tuple(cluster.mesh_shape)
+    train = bool(graph.settings.get("train", True))
+    strategies = enumerate_strategies(graph, mesh, tuple(cluster.axis_names))
+    cost = CostModel(cluster, train)
+    memory = MemoryModel(mesh, graph.settings.get("optimizer", "adamw"), train)
+    nodes = [n for n in graph.nodes if n.kind != "output"]
+    replicated = {n.id: strategies[n.id][0] for n in nodes}
+    memory.calibrate(nodes, replicated, int(graph.memory.get("peak_bytes", 0)))
+    cost.set_tie_break(sum(cost.compute_s(n, replicated[n.id]) for n in nodes), memory.peak(nodes, replicated)[0])
+    problem = build_problem(graph, strategies, cost, memory, follow=follow, share_layers=share_layers)
+    return strategies, cost, memory, problem
+
+
+def chosen_strategies(problem: Problem, choice: list[int]) -> dict[str, Strategy]:
+    """node id -> strategy for one option per variable."""
+    return {n.id: problem.strategy_of(n.id, choice) for n in problem.nodes}
+
+
+def evaluate(graph: GraphDocument, chosen: Mapping[str, Strategy], cost: CostModel,
+             memory: MemoryModel) -> tuple[float, int]:
+    """(ILP objective in seconds, per-device peak bytes) of a full assignment: the oracle's measure.
+
+    The objective is the step time of the cost model (per-edge backward, see cost.py) plus the
+    memory tie-break term."""
+    by_id = graph.node_map()
+    rg = tensor_requires_grad([n for n in graph.nodes if n.kind != "output"], cost.train)
+    fan = fanouts(graph.nodes)
+    total = 0.0
+    for n in graph.nodes:
+        if n.kind == "output":
+            continue
+        s = chosen[n.id]
+        total += cost.compute_s(n, s) + cost.tie_break_s_per_byte * (memory.state_bytes(n, s) + memory.saved_bytes(n, s))
+        for k, ref in enumerate(n.inputs):
+            src, o = split_ref(ref)
+            total += cost.edge_cost_s(chosen[src].outputs[o], s.inputs[k], s.input_grads[k],
+                                      by_id[src].outputs[o].bytes, rg[src], fan[f"{src}#{o}"])
+    nodes = [n for n in graph.nodes if n.kind != "output"]
+    return total, memory.peak(nodes, dict(chosen))[0]
+
+
+def _top_tensors(graph: GraphDocument, chosen: Mapping[str, Strategy], memory: MemoryModel) -> list[tuple[str, int]]:
+    nodes = [n for n in graph.nodes if n.kind != "output"]
+    _, _, _, t_peak = memory.peak(nodes, dict(chosen))
+    items = []
+    for t, n in enumerate(nodes):
+        s = chosen[n.id]
+        if n.kind == "param":
+            items.append((f"param {n.target or n.id} (+grad, optimizer state)", memory.state_bytes(n, s)))
+        elif n.kind in ("input", "buffer"):
+            items.append((f"{n.kind} {n.target or n.id}", memory.state_bytes(n, s)))
+        elif t <= t_peak:
+            b = memory.saved_bytes(n, s) + (memory.transient_bytes(n, s) if t == t_peak else 0)
+            items.append((f"activation {n.id} ({n.module or 'root'})", b))
+    items.sort(key=lambda kv: (-kv[1], kv[0]))
+    return [kv for kv in items if kv[1] > 0][:8]
+
+
+def _collective_dicts(cs, phase: str, where: str) -> list[dict]:
+    return [c.to_dict(phase, where) for c in cs]
+
+
+def solve(graph: GraphDocument | Mapping, cluster: ClusterSpec, *, memory_budget: int | None = None,
+          time_limit_s: float = 60.0, solver: str = "cbc", follow: bool = True, share_layers: bool = True,
+          timings: dict | None = None) -> dict:
+    """Plan ``graph`` on ``cluster``: return a plan document (plan.schema.json) that fits the budget.
+
+    ``graph`` is a dict (validated here) or a GraphDocument from ``cauto.plan.load_graph`` (already
+    validated). ``memory_budget`` (bytes per device) defaults to the cluster device's memory. Raises
+    InfeasibleBudgetError (with the least bytes any plan needs) when nothing fits, SolverError for
+    bad inputs. Same inputs give the same plan except ``solver.time_s``. ``timings``, when given,
+    receives the seconds of each phase (build_s: strategies, costs, variables; ilp_s; plan_s).
+    """
+    start = time.perf_counter()
+    g = _graph(graph)
+    budget = int(memory_budget if memory_budget is not None else cluster.device.memory_bytes)
+    strategies, cost, memory, problem = build(g, cluster, follow=follow, share_layers=share_layers)
+    built = time.perf_counter()
+    result = solve_ilp(problem, budget, solver=solver, time_limit_s=time_limit_s)
+    solved = time.perf_counter()
+    if not result.feasible:
+        least = solve_ilp(problem, None, solver=solver, time_limit_s=time_limit_s, minimize_peak=True)
+        chosen = chosen_strategies(problem, least.choice)
+        needed = memory.peak([n for n in g.nodes if n.kind != "output"], chosen)[0]
+        raise InfeasibleBudgetError(budget, needed, _top_tensors(g, chosen, memory))
+    chosen = chosen_strategies(problem, result.choice)
+    plan = plan_document(g, cluster, chosen, cost, memory, budget)
+    objective, _ = evaluate(g, chosen, cost, memory)
+    plan["solver"] = {"name": solver, "status": result.status, "objective_s": objective, "gap": result.gap,
+                      "time_s": time.perf_counter() - start, "num_variables": result.num_variables,
+                      "num_constraints": result.num_constraints}
+    check_plan_matches_graph(plan, g)
+    if timings is not None:
+        timings.update(build_s=built - start, ilp_s=solved - built, plan_s=time.perf_counter() - solved)
+    return plan
+
+
+def plan_document(g: GraphDocument, cluster: ClusterSpec, chosen: Mapping[str, Strategy], cost: CostModel,
+                  memory: MemoryModel, budget: int | None) -> dict:
+    """The plan document (without its ``solver`` section) of a full assignment."""
+    by_id = g.node_map()
+    mesh = tuple(cluster.mesh_shape)
+    links = cost.links
+    nodes = [n for n in g.nodes if n.kind != "output"]
+    rg = tensor_requires_grad(nodes, cost.train)
+
+    def out_pl(ref: str):
+        src, o = split_ref(ref)
+        node = by_id[src]
+        if node.kind == "param" and node.tied_to:
+            return chosen[node.tied_to].outputs[0]
+        return chosen[src].outputs[o]
+
+    plan_nodes, params, edges = {}, {}, []
+    fwd, bwd = [], []
+    #: (producer ref) -> {grad placement: bytes} of gradients arriving without an edge
+    arriving: dict[str, dict[tuple, int]] = {}
+    compute = 0.0
+    for n in nodes:
+        s = chosen[n.id]
+        if n.kind == "param" and n.tied_to:
+            s = chosen[n.tied_to]
+        c = cost.compute_s(n, s)
+        compute += c
+        entry = {"name": s.name, "inputs": [list(p) for p in s.inputs], "outputs": [list(p) for p in s.outputs]}
+        if n.kind == "op":
+            entry["compute_s"] = c
+        plan_nodes[n.id] = entry
+        if n.kind == "param":
+            params[n.id] = {"target": n.target or n.id, "placements": list(s.outputs[0]), "state": "device"}
+        for k, ref in enumerate(n.inputs):
+            src_id, o = split_ref(ref)
+            src_pl, dst_pl, grad_pl = out_pl(ref), s.inputs[k], s.input_grads[k]
+            nbytes = by_id[src_id].outputs[o].bytes
+            needs_grad = rg[src_id]
+            if src_pl != dst_pl:
+                where = f"{src_id}->{n.id}:{k}"
+                f_c = reshard(src_pl, dst_pl, nbytes, mesh, links, cost.overhead_s, cost.all_to_all)
+                b_c = reshard(grad_pl, backward_target(grad_pl, src_pl), nbytes, mesh, links,
+                              cost.overhead_s, cost.all_to_all) if needs_grad else ()
+                fwd += _collective_dicts(f_c, "forward", where)
+                bwd += _collective_dicts(b_c, "backward", where)
+                edges.append({"src": src_id, "dst": n.id, "arg": k, "src_placements": list(src_pl),
+                              "dst_placements": list(dst_pl), "collectives": _collective_dicts(f_c, "forward", where),
+                              "cost_s": sum(x.cost_s for x in f_c) + sum(x.cost_s for x in b_c)})
+            elif needs_grad and grad_pl != src_pl and any(is_partial(p) for p in grad_pl):
+                owner = by_id[src_id].tied_to or src_id if by_id[src_id].kind == "param" else ref
+                arriving.setdefault(owner, {}).setdefault(grad_pl, nbytes)
+    grad_sync = []
+    for ref, grads in arriving.items():
+        src_id, _ = split_ref(ref)
+        target_pl = out_pl(ref)
+        is_param = by_id[src_id].kind == "param"
+        for grad_pl, nbytes in grads.items():
+            cs: tuple[Collective, ...] = reshard(grad_pl, backward_target(grad_pl, target_pl), nbytes,
+                                                            mesh, links, cost.overhead_s, cost.all_to_all)
+            if is_param:
+                grad_sync += _collective_dicts(cs, "grad_sync", src_id)
+            else:
+                bwd += _collective_dicts(cs, "backward", f"grad of {ref}")
+    collectives = fwd + bwd + grad_sync
+    communication = sum(c["cost_s"] for c in collectives)
+    peak, state, act, _ = memory.peak(nodes, dict(chosen))
+    return {
+        "schema_version": "1.0", "kind": "plan", "graph_fingerprint": g.fingerprint,
+        "mesh": {"shape": list(mesh), "axis_names": list(cluster.axis_names)},
+        "cluster": cluster.to_dict(), "nodes": plan_nodes, "params": params, "edges": edges,
+        "grad_sync": grad_sync,
+        "predictions": {"peak_bytes": int(peak), "memory_budget_bytes": budget, "model_state_bytes": int(state),
+                        "activation_bytes": int(act),
+                        "step_time_s": {"total": compute + communication, "compute": compute,
+                                        "communication": communication},
+                        "collectives": collectives},
+    }
