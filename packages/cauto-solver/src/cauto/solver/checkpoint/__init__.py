@@ -1,0 +1,38 @@
+"""Activation checkpointing: which activations to recompute, alone or jointly with sharding.
+
+* chain.py, linearize.py: a graph document as a chain of stages (per device, per sharding).
+* schedule.py, simulate.py: schedules as nested levels; the simulator that judges time and peak.
+* rotor.py: the optimal DP (Beaumont et al. 2019); chen.py: the √n baseline.
+* api.py: ``plan_checkpoint`` (the plan's ``checkpoint`` section) and ``summary_lines`` for the CLI.
+* joint.py: one budget shared by sharding and checkpointing, searched over their split; wiring to
+  the sharding ILP (``ilp_sharding``) and to its plans (``attach_checkpoint``).
+"""
+
+from cauto.solver.checkpoint.api import (
+    CheckpointChoice,
+    CheckpointInfeasibleError,
+    checkpoint_section,
+    choose_schedule,
+    plan_checkpoint,
+    summary_lines,
+)
+from cauto.solver.checkpoint.chain import Chain
+from cauto.solver.checkpoint.joint import (
+    JointResult,
+    ShardingResult,
+    attach_checkpoint,
+    ilp_sharding,
+    joint_plan,
+    sharding_result_from_plan,
+    solve_joint,
+)
+from cauto.solver.checkpoint.linearize import build_chain
+from cauto.solver.checkpoint.rotor import least_memory, solve_rotor
+from cauto.solver.checkpoint.simulate import simulate
+
+__all__ = [
+    "Chain", "CheckpointChoice", "CheckpointInfeasibleError", "JointResult", "ShardingResult", "attach_checkpoint",
+    "build_chain",
+    "checkpoint_section", "choose_schedule", "ilp_sharding", "joint_plan", "least_memory", "plan_checkpoint",
+    "sharding_result_from_plan", "simulate", "solve_joint", "solve_rotor", "summary_lines",
+]

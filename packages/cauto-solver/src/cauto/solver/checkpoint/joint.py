@@ -1,0 +1,319 @@
+"""Sharding and checkpointing under one per-device memory budget (ALGORITHMS.md §3, "Joint").
+
+The budget M per device holds model state (parameters, gradients, optimizer state: the sharding
+ILP's part) and activations (the checkpoint schedule's part). How it is split matters: a sharding
+with more replicated state is faster but leaves less room for activations, so more recomputation.
+ColossalAI solves the ILP first (with full activations in its memory model) and runs rotor on what
+is left; the two never meet. Here the split is searched:
+
+    for ILP budgets B from M (full activations must fit: "ILP only") up to the budget the
+    unconstrained sharding needs, on a geometric grid refined around the best point:
+        r    = solve_sharding(B)               # believes full activations; B > M lets it pick
+                                               # faster, less sharded plans
+        left = M − r.model_state_bytes         # what the activations really get
+        s    = best checkpoint schedule of the chain sharded as r, within ``left`` (rotor/Chen)
+        time = r.step_time_s + s.recompute_s,  peak = r.model_state_bytes + s.peak
+    keep the fastest point with peak ≤ M.
+
+Each point's activation share is left / M. The grid contains B = M and B = fixed_factor·M, the two
+baselines (``ilp_only``: no recompute; ``fixed_split``: ILP at a fixed inflated budget, then
+rotor on the rest), so the joint answer is never slower than either at any budget, and it is
+feasible wherever one of the splits it tries is, including budgets where both baselines fail.
+
+Interface with the sharding solver: ``solve_sharding(memory_budget_bytes | None) -> ShardingResult
+| None`` (None budget: no memory limit; None result: nothing fits). ``ilp_sharding(graph_doc,
+cluster)`` wraps the real ILP (``cauto.solver.solve``) that way, so the whole joint plan is::
+
+    result = joint_plan(graph_doc, memory_budget_bytes, ilp_sharding(graph_doc, cluster),
+                        device=device_dict(cluster))
+    plan = attach_checkpoint(result.best.sharding.plan, graph_doc, memory_budget_bytes=memory_budget_bytes)
+
+``attach_checkpoint(plan, graph_doc, method=...)`` alone is "ILP, then checkpointing at the ILP's
+split": what ``cauto-solve --checkpoint {auto,none,chen,rotor}`` does without the joint search.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from cauto.plan import parse_placement
+from cauto.solver.checkpoint.api import (
+    CheckpointChoice,
+    CheckpointInfeasibleError,
+    checkpoint_section,
+    choose_schedule,
+    format_bytes,
+)
+from cauto.solver.checkpoint.chain import Chain
+from cauto.solver.checkpoint.linearize import DEFAULT_MAX_STAGES, ShardScale, build_chain
+from cauto.solver.checkpoint.rotor import DEFAULT_SLOTS, least_memory
+from cauto.solver.errors import SolverError
+
+UNLIMITED_BYTES = 1 << 50
+"""The budget ilp_sharding passes for "no memory limit" (cauto.solver.solve reads None as the device's memory)."""
+
+DEFAULT_FIXED_FACTOR = 2.0
+"""The fixed-split baseline plans sharding for 2·M ("checkpointing will halve the activations")."""
+
+
+@dataclass(frozen=True)
+class ShardingResult:
+    """What the joint search needs from one sharding solve."""
+
+    shard_scale: ShardScale
+    """node id -> shard divisor (bytes, time), as build_chain takes it."""
+    model_state_bytes: int
+    """Per device: parameters, gradients, optimizer state, inputs, buffers."""
+    activation_bytes: int
+    """Per device activations the solver assumed (no recompute)."""
+    step_time_s: float
+    """Predicted step time without recompute (compute + communication)."""
+    plan: Any = field(default=None, compare=False)
+    """The solver's own plan object, passed through untouched."""
+
+
+SolveSharding = Callable[[int | None], "ShardingResult | None"]
+ChainFor = Callable[[ShardScale], Chain]
+
+
+@dataclass(frozen=True)
+class JointPoint:
+    """One split of the budget: a sharding solve and the checkpoint schedule on what it leaves."""
+
+    memory_budget_bytes: int
+    ilp_budget_bytes: int
+    sharding: ShardingResult | None
+    checkpoint: CheckpointChoice | None
+    needed_bytes: int | None = None
+    """For an infeasible point: the least budget this sharding needs (model state + least activations)."""
+
+    @property
+    def feasible(self) -> bool:
+        """Whether model state plus the simulated activation peak fit the budget."""
+        return self.checkpoint is not None
+
+    @property
+    def step_time_s(self) -> float:
+        """Sharding step time plus recompute; inf when infeasible."""
+        if not self.feasible:
+            return math.inf
+        return self.sharding.step_time_s + max(self.checkpoint.recompute_s, 0.0)
+
+    @property
+    def recompute_s(self) -> float:
+        """Seconds of recomputation per step; inf when infeasible."""
+        return max(self.checkpoint.recompute_s, 0.0) if self.feasible else math.inf
+
+    @property
+    def peak_bytes(self) -> int | None:
+        """Model state plus simulated activation peak; None when infeasible."""
+        if not self.feasible:
+            return None
+        return self.sharding.model_state_bytes + self.checkpoint.simulation.peak_bytes
+
+    @property
+    def activation_share(self) -> float | None:
+        """(M − model state) / M: the share of the budget left to activations."""
+        if self.sharding is None:
+            return None
+        return (self.memory_budget_bytes - self.sharding.model_state_bytes) / self.memory_budget_bytes
+
+
+@dataclass(frozen=True)
+class JointResult:
+    """The best split and the two baselines, with every split evaluated on the way."""
+
+    memory_budget_bytes: int
+    best: JointPoint | None
+    ilp_only: JointPoint
+    fixed_split: JointPoint
+    points: tuple[JointPoint, ...]
+
+    @property
+    def needed_bytes(self) -> int | None:
+        """When nothing fits: the least budget any evaluated split needs."""
+        needs = [p.needed_bytes for p in self.points if p.needed_bytes is not None]
+        return min(needs) if needs else None
+
+    def section(self) -> dict:
+        """The plan's ``checkpoint`` section of the best point; SolverError when nothing fits."""
+        if self.best is None:
+            need = format_bytes(self.needed_bytes or 0)
+            raise SolverError(f"no split of {format_bytes(self.memory_budget_bytes)} per device between model "
+                              f"state and activations fits; the least any split needs is {need}: give more "
+                              "memory per device, a larger mesh or a smaller batch")
+        return checkpoint_section(self.best.checkpoint)
+
+
+def evaluate_split(memory_budget_bytes: int, ilp_budget_bytes: int, sharding: ShardingResult | None,
+                   chain_for: ChainFor, *, method: str = "auto", slots: int = DEFAULT_SLOTS) -> JointPoint:
+    """The point of a sharding (solved at ``ilp_budget_bytes``): checkpoint within what it leaves of M."""
+    M = memory_budget_bytes
+    if sharding is None:
+        return JointPoint(M, ilp_budget_bytes, None, None)
+    chain = chain_for(sharding.shard_scale)
+    try:
+        choice = choose_schedule(chain, M - sharding.model_state_bytes, method, slots=slots)
+    except CheckpointInfeasibleError as err:
+        need = err.needed_bytes if method == "none" else least_memory(chain).peak_bytes
+        return JointPoint(M, ilp_budget_bytes, sharding, None, needed_bytes=sharding.model_state_bytes + need)
+    return JointPoint(M, ilp_budget_bytes, sharding, choice)
+
+
+def solve_joint(memory_budget_bytes: int, solve_sharding: SolveSharding, chain_for: ChainFor, *,
+                grid_points: int = 8, refine_steps: int = 4, fixed_factor: float = DEFAULT_FIXED_FACTOR,
+                slots: int = DEFAULT_SLOTS) -> JointResult:
+    """Search the split of ``memory_budget_bytes`` between sharding and checkpointing (module docstring)."""
+    M = int(memory_budget_bytes)
+    if M <= 0 or grid_points < 2:
+        raise ValueError(f"need a positive memory budget and grid_points ≥ 2, got {M} and {grid_points}")
+    free = solve_sharding(None)
+    if free is None:
+        raise SolverError("the sharding solver found no plan even without a memory limit")
+    top = max(M, free.model_state_bytes + free.activation_bytes)
+    solved: dict[int, ShardingResult | None] = {}
+    by_sharding: dict[tuple, JointPoint] = {}
+    points: dict[int, JointPoint] = {}
+
+    def evaluate(budget: int, method: str = "auto") -> JointPoint:
+        if budget not in solved:
+            solved[budget] = solve_sharding(budget) if budget < top else free
+        r = solved[budget]
+        key = (method, None if r is None else (r.model_state_bytes, r.activation_bytes, r.step_time_s))
+        if r is None or key not in by_sharding:
+            by_sharding[key] = evaluate_split(M, budget, r, chain_for, method=method, slots=slots)
+        p = by_sharding[key]
+        return p if p.ilp_budget_bytes == budget else JointPoint(M, budget, p.sharding, p.checkpoint,
+                                                                 p.needed_bytes)
+
+    ilp_only = evaluate(M, "none")
+    fixed = evaluate(int(fixed_factor * M), "rotor")
+    budgets = {M, min(int(fixed_factor * M), top), top}
+    if top > M:
+        budgets |= {int(M * (top / M) ** (k / (grid_points - 1))) for k in range(grid_points)}
+    for b in sorted(budgets):
+        points[b] = evaluate(b)
+    for _ in range(refine_steps):
+        order = sorted(points)
+        i = min(range(len(order)), key=lambda k: (points[order[k]].step_time_s, order[k]))
+        fresh = [int(math.sqrt(order[j] * order[j + 1])) for j in (i - 1, i) if 0 <= j < len(order) - 1]
+        fresh = [b for b in fresh if b not in points]
+        if not fresh:
+            break
+        for b in fresh:
+            points[b] = evaluate(b)
+    candidates = [p for p in (*points.values(), ilp_only, fixed) if p.feasible]
+    best = min(candidates, key=lambda p: (p.step_time_s, p.peak_bytes)) if candidates else None
+    ordered = tuple(points[b] for b in sorted(points))
+    return JointResult(M, best, ilp_only, fixed, ordered)
+
+
+def joint_plan(graph_doc: dict, memory_budget_bytes: int, solve_sharding: SolveSharding, *,
+               max_stages: int = DEFAULT_MAX_STAGES, device: Mapping | None = None, activation_scale: float = 1.0,
+               **kwargs) -> JointResult:
+    """solve_joint on a graph document: each sharding's chain is ``build_chain(graph_doc, shard_scale=...)``.
+
+    ``device`` and ``activation_scale`` go to build_chain: pass the cluster's device (``device_dict``)
+    and the ILP's calibrated activation scale so recompute seconds and activation bytes are in the
+    ILP's units.
+    """
+    cache: dict[int, tuple[ShardScale, Chain]] = {}
+
+    def chain_for(scale: ShardScale) -> Chain:
+        key = id(scale)
+        if key not in cache or cache[key][0] is not scale:
+            cache[key] = (scale, build_chain(graph_doc, shard_scale=scale, max_stages=max_stages, device=device,
+                                             activation_scale=activation_scale))
+        return cache[key][1]
+
+    return solve_joint(memory_budget_bytes, solve_sharding, chain_for, **kwargs)
+
+
+def ilp_sharding(graph_doc: dict, cluster, **solve_kwargs) -> SolveSharding:
+    """The sharding ILP (``cauto.solver.solve`` on ``cluster``) as a SolveSharding callback."""
+    # imported here: solve.py may itself import the checkpoint package
+    from cauto.solver.errors import InfeasibleBudgetError
+    from cauto.solver.solve import solve
+
+    def solve_sharding(budget: int | None) -> ShardingResult | None:
+        try:
+            plan = solve(graph_doc, cluster, memory_budget=UNLIMITED_BYTES if budget is None else budget,
+                         **solve_kwargs)
+        except InfeasibleBudgetError:
+            return None
+        return sharding_result_from_plan(plan)
+
+    return solve_sharding
+
+
+def device_dict(cluster) -> dict:
+    """The roofline numbers of a ClusterSpec's device, as build_chain's ``device`` takes them."""
+    dev = cluster.device
+    return {"peak_flops": dev.peak_flops, "memory_bandwidth_bytes_per_s": dev.memory_bandwidth_bytes_per_s,
+            "kernel_floor_s": dev.kernel_floor_s}
+
+
+def sharding_result_from_plan(plan_doc: dict) -> ShardingResult:
+    """A ShardingResult from a plan document: its predictions and each node's output placements.
+
+    A node's bytes divisor is the product of the mesh axes its first output is Shard on; its time
+    divisor also counts the axes where that output is Partial (each device computed a part).
+    """
+    shape = plan_doc["mesh"]["shape"]
+    scale: dict[str, tuple[float, float]] = {}
+    for node_id, strategy in plan_doc["nodes"].items():
+        outputs = strategy.get("outputs") or []
+        if not outputs or not outputs[0]:
+            continue
+        b = t = 1
+        for axis, text in enumerate(outputs[0]):
+            kind, _ = parse_placement(text)
+            if kind == "S":
+                b *= shape[axis]
+                t *= shape[axis]
+            elif kind == "P":
+                t *= shape[axis]
+        if b > 1 or t > 1:
+            scale[node_id] = (float(b), float(t))
+    pred = plan_doc["predictions"]
+    times = pred["step_time_s"]
+    return ShardingResult(
+        shard_scale=scale,
+        model_state_bytes=int(pred.get("model_state_bytes", 0)),
+        activation_bytes=int(pred.get("activation_bytes",
+                                      max(pred["peak_bytes"] - pred.get("model_state_bytes", 0), 0))),
+        step_time_s=float(times["total"] - times.get("recompute", 0.0)),
+        plan=plan_doc,
+    )
+
+
+def attach_checkpoint(plan_doc: dict, graph_doc: dict, *, method: str = "auto",
+                      memory_budget_bytes: int | None = None, slots: int = DEFAULT_SLOTS,
+                      activation_scale: float = 1.0) -> dict:
+    """A copy of a sharding plan with its ``checkpoint`` section and predictions filled in.
+
+    The activations get the plan's budget (``memory_budget_bytes``, else the plan's own, else its
+    cluster's device memory) minus its model state, on the chain sharded as the plan says and
+    priced on the plan's cluster device. Predictions then read: activation_bytes = the simulated
+    activation peak, peak_bytes = model state + that, step_time_s.recompute added to the total.
+    Raises CheckpointInfeasibleError when the activations cannot fit.
+    """
+    pred = plan_doc["predictions"]
+    budget = memory_budget_bytes or pred.get("memory_budget_bytes") or plan_doc["cluster"]["device"]["memory_bytes"]
+    sharding = sharding_result_from_plan(plan_doc)
+    dev = plan_doc["cluster"]["device"]
+    device = {"peak_flops": dev["peak_flops"], "memory_bandwidth_bytes_per_s": dev["memory_bandwidth_bytes_per_s"],
+              "kernel_floor_s": dev.get("kernel_floor_s", 0.0)}
+    chain = build_chain(graph_doc, shard_scale=sharding.shard_scale, device=device, activation_scale=activation_scale)
+    choice = choose_schedule(chain, int(budget) - sharding.model_state_bytes, method, slots=slots)
+    plan = dict(plan_doc)
+    plan["checkpoint"] = checkpoint_section(choice)
+    times = dict(pred["step_time_s"])
+    times["recompute"] = plan["checkpoint"]["recompute_s"]
+    times["total"] = sharding.step_time_s + times["recompute"]
+    plan["predictions"] = {**pred, "step_time_s": times, "activation_bytes": choice.simulation.peak_bytes,
+                           "peak_bytes": sharding.model_state_bytes + choice.simulation.peak_bytes}
+    return plan

@@ -1,0 +1,118 @@
+"""Joint sharding + checkpointing against its two baselines, with a synthetic sharding solver."""
+
+from __future__ import annotations
+
+import pytest
+from cauto.solver.checkpoint.joint import (
+    ShardingResult,
+    attach_checkpoint,
+    joint_plan,
+    sharding_result_from_plan,
+)
+from cauto.solver.checkpoint.synthetic import gpt_graph, synthetic_sharding
+from cauto.solver.errors import SolverError
+
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def setup():
+    graph = gpt_graph(layers=4, batch=16, seq=512, hidden=768, heads=12, vocab=8192)
+    return graph, synthetic_sharding(graph)
+
+
+def test_synthetic_solver_trades_memory_for_speed(setup):
+    _, solve = setup
+    menu = solve.menu
+    assert [r.step_time_s for r in menu] == sorted(r.step_time_s for r in menu)
+    assert solve(None) is menu[0]
+    assert solve(1) is None
+    need = [r.model_state_bytes + r.activation_bytes for r in menu]
+    assert solve(need[0]) is menu[0] and solve(need[0] - 1) is not menu[0]
+
+
+def test_joint_is_never_worse_and_feasible_where_baselines_are_not(setup):
+    graph, solve = setup
+    only_joint = better_than_ilp = better_than_fixed = 0
+    for mib in (300, 330, 360, 400, 450, 500, 700, 1000, 1400, 2000, 3000):
+        M = mib * MIB
+        res = joint_plan(graph, M, solve, slots=200)
+        for base in (res.ilp_only, res.fixed_split):
+            if base.feasible:
+                assert base.peak_bytes <= M
+                assert res.best.step_time_s <= base.step_time_s + 1e-12
+        if res.best is None:
+            assert not res.ilp_only.feasible and not res.fixed_split.feasible
+            assert res.needed_bytes > M
+            with pytest.raises(SolverError, match="least any split needs"):
+                res.section()
+            continue
+        best = res.best
+        assert best.peak_bytes <= M
+        assert best.step_time_s == pytest.approx(best.sharding.step_time_s + best.checkpoint.recompute_s)
+        assert best.activation_share == pytest.approx((M - best.sharding.model_state_bytes) / M)
+        assert res.ilp_only.recompute_s == 0 or not res.ilp_only.feasible
+        only_joint += not res.ilp_only.feasible and not res.fixed_split.feasible
+        better_than_ilp += res.ilp_only.feasible and best.step_time_s < res.ilp_only.step_time_s - 1e-9
+        better_than_fixed += res.fixed_split.feasible and best.step_time_s < res.fixed_split.step_time_s - 1e-9
+        assert res.section()["recompute_s"] == pytest.approx(best.checkpoint.recompute_s, abs=1e-12)
+    assert only_joint and better_than_ilp and better_than_fixed
+
+
+def test_sharding_result_from_plan():
+    plan = {
+        "mesh": {"shape": [2, 4], "axis_names": ["dp", "tp"]},
+        "nodes": {"a": {"inputs": [], "outputs": [["S(0)", "R"]]},
+                  "b": {"inputs": [], "outputs": [["S(0)", "P(sum)"]]},
+                  "c": {"inputs": [], "outputs": [["R", "R"]]}},
+        "predictions": {"peak_bytes": 100, "model_state_bytes": 60, "activation_bytes": 40,
+                        "step_time_s": {"total": 2.0, "compute": 1.5, "communication": 0.3, "recompute": 0.2},
+                        "collectives": []},
+    }
+    r = sharding_result_from_plan(plan)
+    assert r == ShardingResult({"a": (2.0, 2.0), "b": (2.0, 8.0)}, 60, 40, pytest.approx(1.8))
+    assert r.plan is plan
+
+
+def test_joint_with_the_real_ilp():
+    from cauto.solver import InfeasibleBudgetError, cluster_for_mesh, solve, synthetic
+    from cauto.solver.checkpoint.joint import device_dict, ilp_sharding
+
+    graph = synthetic.gpt(layers=2, batch=16, seq=64, hidden=128)
+    cluster = cluster_for_mesh("cpu-gloo", (2,))
+    with pytest.raises(InfeasibleBudgetError) as err:
+        solve(graph, cluster, memory_budget=1000)
+    M = err.value.needed_bytes  # the least the ILP alone (full activations) can fit, by its own model
+    res = joint_plan(graph, M, ilp_sharding(graph, cluster), device=device_dict(cluster), slots=200,
+                     grid_points=4, refine_steps=1)
+    assert res.ilp_only.sharding is not None and res.ilp_only.sharding.plan["kind"] == "plan"
+    assert res.best is not None and res.best.peak_bytes <= M
+    for base in (res.ilp_only, res.fixed_split):
+        if base.feasible:
+            assert res.best.step_time_s <= base.step_time_s
+    assert res.section()["method"] in ("none", "rotor", "chen")
+    plan = attach_checkpoint(res.best.sharding.plan, graph, memory_budget_bytes=M)
+    assert plan["checkpoint"] == res.section()
+    assert plan["predictions"]["peak_bytes"] == res.best.peak_bytes <= M
+    assert plan["predictions"]["step_time_s"]["total"] == pytest.approx(res.best.step_time_s)
+
+
+def test_attach_checkpoint_to_an_ilp_plan():
+    from cauto.plan import check_document
+    from cauto.solver import cluster_for_mesh, solve, synthetic
+    from cauto.solver.checkpoint.api import CheckpointInfeasibleError
+    graph = synthetic.gpt(layers=2, batch=16, seq=64, hidden=128)
+    plan = solve(graph, cluster_for_mesh("cpu-gloo", (2,)), memory_budget=64 << 20)
+    ample = attach_checkpoint(plan, graph)
+    assert ample["checkpoint"] == {"method": "none", "regions": [], "recompute_s": 0}
+    state = plan["predictions"]["model_state_bytes"]
+    budget = state + (ample["predictions"]["activation_bytes"] * 2) // 3
+    tight = attach_checkpoint(plan, graph, memory_budget_bytes=budget)
+    check_document(tight, "plan")
+    times = tight["predictions"]["step_time_s"]
+    assert tight["checkpoint"]["regions"] and times["recompute"] > 0
+    assert times["total"] == pytest.approx(plan["predictions"]["step_time_s"]["total"] + times["recompute"])
+    assert tight["predictions"]["peak_bytes"] <= budget
+    assert "checkpoint" not in plan or plan["checkpoint"] != tight["checkpoint"]
+    with pytest.raises(CheckpointInfeasibleError):
+        attach_checkpoint(plan, graph, memory_budget_bytes=state + 1000)
