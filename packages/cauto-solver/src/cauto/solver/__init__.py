@@ -14,7 +14,8 @@ from cauto.solver.cluster import (
            parse_mesh,
 )
 from cauto.solver.errors import InfeasibleBudgetError, SolverError
+from cauto.solver.planning import CHECKPOINT_METHODS, plan
 from cauto.solver.solve import solve
 
-__all__ = ["PRESETS", "AxisLink", "ClusterSpec", "DeviceSpec", "HardwareSpec", "InfeasibleBudgetError", "SolverError",
-           "cluster_for_mesh", "parse_mesh", "solve"]
+__all__ = ["CHECKPOINT_METHODS", "PRESETS", "AxisLink", "ClusterSpec", "DeviceSpec", "HardwareSpec", "InfeasibleBudgetError", "SolverError",
+           "cluster_for_mesh", "parse_mesh", "plan", "solve"]

@@ -1,7 +1,7 @@
 """`cauto-solve`: plan a graph document on a mesh, or explain a plan.
 
     cauto-solve GRAPH --mesh 2x4 [--axis-names dp,tp] [--cluster FILE|PRESET] [--memory 70GiB]
-                [--solver cbc|highs] [--time-limit S] -o plan.json
+                [--checkpoint none|auto|rotor|chen] [--solver cbc|highs] [--time-limit S] -o plan.json
     cauto-solve explain PLAN [--graph GRAPH]
 
 Bad input (invalid documents, a bad mesh, an unknown preset) exits with status 2 and one line on
@@ -46,6 +46,8 @@ def _solve_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster", default="cpu-gloo",
                    help=f"preset ({', '.join(sorted(PRESETS))}) or spec file from tools/calibrate.py")
     p.add_argument("--memory", help="per-device memory budget, e.g. 70GiB (default: the device's memory)")
+    p.add_argument("--checkpoint", default="none", choices=["none", "auto", "rotor", "chen"],
+                   help="activation checkpointing: none, or solved jointly with sharding (auto picks rotor or chen)")
     p.add_argument("--solver", default="cbc", choices=["cbc", "highs"])
     p.add_argument("--time-limit", type=float, default=60.0, help="solver time limit in seconds")
     p.add_argument("-o", "--output", required=True, help="where to write the plan document")
@@ -70,16 +72,20 @@ def main(argv: list[str] | None = None) -> int:
             print(explain(plan, graph))
             return 0
         args = _solve_parser().parse_args(argv)
-        from cauto.solver.solve import solve
+        from cauto.solver.checkpoint import summary_lines
+        from cauto.solver.planning import plan as make_plan
 
         shape = parse_mesh(args.mesh)
         names = tuple(s.strip() for s in args.axis_names.split(",")) if args.axis_names else None
         cluster = cluster_for_mesh(args.cluster, shape, names)
         budget = parse_bytes(args.memory) if args.memory else None
         graph = load_graph(args.graph)
-        plan = solve(graph, cluster, memory_budget=budget, time_limit_s=args.time_limit, solver=args.solver)
+        plan = make_plan(graph, cluster, memory_budget=budget, checkpoint=args.checkpoint,
+                         time_limit_s=args.time_limit, solver=args.solver)
         dump(plan, args.output)
         print(summary(plan))
+        if "checkpoint" in plan:
+            print("\n".join(summary_lines(plan["checkpoint"])))
         print(f"plan written to {args.output}")
         return 0
     except InfeasibleBudgetError as exc:

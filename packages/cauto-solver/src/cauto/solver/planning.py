@@ -1,0 +1,57 @@
+"""One entry point for a whole plan: sharding alone, or sharding with activation checkpointing.
+
+``plan(graph, cluster, memory_budget=M, checkpoint=...)``:
+* "none": the sharding ILP with every activation stored (``solve``).
+* "auto": the joint search of checkpoint/joint.py — one budget M shared by model state and
+  activations, the split searched with the ILP in the loop — then the best schedule (rotor or
+  Chen, whichever the simulator judges faster) on the best sharding. The ILP-only plan at M (no
+  recompute) competes too: the chain's activation model is more conservative than the ILP's
+  (it keeps each stage's output until its backward), so without this the joint search could
+  recompute where the ILP alone fits, and "auto" must never be slower than "none".
+* "rotor" / "chen": the same joint search picks the sharding; the schedule uses that method only.
+Infeasible budgets raise InfeasibleBudgetError naming the least memory any split needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from cauto.plan import GraphDocument
+from cauto.solver.checkpoint import attach_checkpoint, ilp_sharding, joint_plan
+from cauto.solver.checkpoint.joint import device_dict
+from cauto.solver.cluster import ClusterSpec
+from cauto.solver.errors import InfeasibleBudgetError, SolverError
+from cauto.solver.solve import solve
+
+CHECKPOINT_METHODS = ("none", "auto", "rotor", "chen")
+
+
+def plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, *, memory_budget: int | None = None,
+         checkpoint: str = "none", solver: str = "cbc", time_limit_s: float = 60.0) -> dict:
+    """Return a plan document for ``graph`` on ``cluster`` within ``memory_budget`` bytes per device."""
+    if checkpoint not in CHECKPOINT_METHODS:
+        raise SolverError(f"checkpoint method {checkpoint!r} is not one of {', '.join(CHECKPOINT_METHODS)}")
+    if checkpoint == "none":
+        return solve(graph, cluster, memory_budget=memory_budget, solver=solver, time_limit_s=time_limit_s)
+    graph_doc = graph.to_dict() if isinstance(graph, GraphDocument) else dict(graph)
+    budget = int(memory_budget if memory_budget is not None else cluster.device.memory_bytes)
+    ilp_only = None
+    if checkpoint == "auto":
+        try:
+            ilp_only = solve(graph_doc, cluster, memory_budget=budget, solver=solver, time_limit_s=time_limit_s)
+            ilp_only["checkpoint"] = {"method": "auto", "regions": [], "recompute_s": 0.0}
+        except InfeasibleBudgetError:
+            pass
+    result = joint_plan(graph_doc, budget, ilp_sharding(graph_doc, cluster, solver=solver, time_limit_s=time_limit_s),
+                        device=device_dict(cluster))
+    if result.best is None:
+        if ilp_only is not None:
+            return ilp_only
+        raise InfeasibleBudgetError(budget, int(result.needed_bytes or 0), [])
+    plan_doc = attach_checkpoint(result.best.sharding.plan, graph_doc, method=checkpoint, memory_budget_bytes=budget)
+    plan_doc["checkpoint"]["method"] = checkpoint
+    plan_doc["predictions"]["memory_budget_bytes"] = budget
+    if ilp_only is not None and ilp_only["predictions"]["step_time_s"]["total"] <= \
+            plan_doc["predictions"]["step_time_s"]["total"]:
+        return ilp_only
+    return plan_doc
