@@ -1,0 +1,60 @@
+"""plan(): sharding with checkpointing under one budget, on a graph the profiler really wrote."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cauto.plan import check_document, check_plan_matches_graph
+from cauto.solver import InfeasibleBudgetError, plan
+from cauto.solver.cli import main
+
+GRAPH = json.loads((Path(__file__).parent / "data" / "profiled_gpt_graph.json").read_text())
+
+
+def _total(p: dict) -> float:
+    return p["predictions"]["step_time_s"]["total"]
+
+
+def _least_budget_without_recompute(cluster) -> int:
+    with pytest.raises(InfeasibleBudgetError) as info:
+        plan(GRAPH, cluster, memory_budget=1, checkpoint="none")
+    return info.value.needed_bytes
+
+
+def test_auto_is_never_slower_than_none_and_fits_where_none_does_not(make_cluster):
+    cluster = make_cluster(2)
+    least_none = _least_budget_without_recompute(cluster)
+    for budget in (int(least_none * 0.85), least_none, int(least_none * 1.5)):
+        auto = plan(GRAPH, cluster, memory_budget=budget, checkpoint="auto")
+        check_document(auto, "plan")
+        check_plan_matches_graph(auto, GRAPH)
+        assert auto["predictions"]["peak_bytes"] <= budget
+        if budget >= least_none:
+            assert _total(auto) <= _total(plan(GRAPH, cluster, memory_budget=budget, checkpoint="none")) + 1e-12
+        else:  # only checkpointing makes this budget feasible
+            assert auto["checkpoint"]["regions"], "a budget below the no-recompute need must recompute something"
+            assert auto["predictions"]["step_time_s"]["recompute"] > 0
+
+
+def test_rotor_plan_names_graph_nodes_and_prices_recompute(make_cluster):
+    cluster = make_cluster(2)
+    budget = int(_least_budget_without_recompute(cluster) * 0.85)
+    p = plan(GRAPH, cluster, memory_budget=budget, checkpoint="rotor")
+    ids = {n["id"] for n in GRAPH["nodes"]}
+    regions = p["checkpoint"]["regions"]
+    assert p["checkpoint"]["method"] == "rotor" and regions
+    assert all(node in ids for region in regions for node in region["nodes"])
+    assert p["checkpoint"]["recompute_s"] == pytest.approx(p["predictions"]["step_time_s"]["recompute"])
+
+
+def test_cli_checkpoint_flag_and_unknown_method(tmp_path, capsys):
+    graph_path = tmp_path / "g.json"
+    graph_path.write_text(json.dumps(GRAPH))
+    out = tmp_path / "p.json"
+    assert main([str(graph_path), "--mesh", "2", "--checkpoint", "auto", "-o", str(out)]) == 0
+    assert json.loads(out.read_text())["kind"] == "plan"
+    with pytest.raises(SystemExit) as info:
+        main([str(graph_path), "--mesh", "2", "--checkpoint", "sometimes", "-o", str(tmp_path / "q.json")])
+    assert info.value.code == 2
+    assert not (tmp_path / "q.json").exists()
