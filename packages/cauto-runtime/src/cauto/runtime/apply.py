@@ -1,0 +1,189 @@
+"""``apply(fn, plan, mesh)``: the model of a factory, parallelized as a plan says, on this rank.
+
+Order of work: capture the factory (the same capture as the profiler's, so node names are the
+plan's node ids), refuse a plan made for another graph or mesh, build the model with its
+parameters on meta, give each rank its own shards, rewrite the captured graph into the parallel
+program (``execute.build``), and install bucketed gradient synchronization (``grad_sync``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from cauto.plan import MismatchError, PlanDocument, load_plan
+from cauto.profiler.capture import Capture, capture
+from cauto.runtime import execute
+from cauto.runtime.dist_utils import local_slices, to_placements
+from cauto.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradSync
+from cauto.runtime.materialize import build_skeleton, materialize
+from cauto.runtime.propagate import propagate
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+
+class PlanMismatchError(MismatchError):
+    """The plan, the model or the mesh do not belong together; the message says which and what to do."""
+
+
+class ParallelModule(nn.Module):
+    """The model on this rank: DTensor parameters placed as planned, and the parallel forward.
+
+    Call it with the factory's inputs (the global batch on every rank, or this rank's slice: see
+    ``input_slices``); it returns the loss, replicated on every rank. ``state_dict()`` holds DTensors
+    under the model's own names (``torch.distributed.checkpoint`` saves and loads it shard-wise).
+    Attributes: ``plan``, ``predictions``, ``generated_code``, ``executable`` (redistributions,
+    mismatches), ``capture``, ``mesh``.
+    """
+
+    def __init__(self, model: nn.Module, cap: Capture, plan: PlanDocument, mesh: DeviceMesh,
+                 executable: execute.ExecutableGraph, bucket_bytes: int):
+        super().__init__()
+        for name, child in model.named_children():
+            self.add_module(name, child)
+        for name, p in model._parameters.items():
+            self.register_parameter(name, p)
+        for name, b in model._buffers.items():
+            self.register_buffer(name, b, persistent=name not in model._non_persistent_buffers_set)
+        self.__dict__["capture"] = cap
+        self.__dict__["executable"] = executable
+        self.plan = plan
+        self.mesh = mesh
+        self._state = [self._lookup(node) for node in cap.graph.nodes
+                       if node.op == "placeholder" and cap.placeholders[node.name][0] != "input"]
+        self._input_names = [name for name, (kind, _) in cap.placeholders.items() if kind == "input"]
+        self._kwarg_order = list(cap.kwargs)
+        self.grad_sync = GradSync([p for p in self.parameters()], mesh, bucket_bytes)
+
+    def _lookup(self, node) -> torch.Tensor:
+        kind, fqn = self.capture.placeholders[node.name]
+        if kind == "param":
+            return self.get_parameter(fqn)
+        return self.get_buffer(fqn)
+
+    @property
+    def predictions(self) -> dict:
+        """The plan's predictions (peak bytes, step time, collectives per step)."""
+        return self.plan.predictions
+
+    @property
+    def generated_code(self) -> str:
+        """The source of the parallel forward that runs (see ``cauto.runtime.codegen``)."""
+        from cauto.runtime.codegen import render
+        return render(self.executable, self.plan)
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        extra = set(kwargs) - set(self._kwarg_order)
+        if extra:
+            raise TypeError(f"unexpected inputs {sorted(extra)}; the model was captured with {self._kwarg_order}")
+        flat = list(args) + [kwargs[k] for k in self._kwarg_order if k in kwargs]
+        if len(flat) != len(self._input_names):
+            raise TypeError(f"the model was captured with {len(self._input_names)} inputs {self._input_names}, "
+                            f"got {len(flat)}")
+        (loss,) = self.executable.module(*self._state, *flat)
+        return loss
+
+    def input_slices(self) -> dict[str, tuple[slice, ...]]:
+        """Per user input: the slice of the global batch this rank must load in local-batch mode."""
+        out = {}
+        for node in self.capture.graph.nodes:
+            if node.op == "placeholder" and self.capture.placeholders[node.name][0] == "input":
+                shape = tuple(node.meta["val"].shape)
+                placements = to_placements(tuple(self.plan.nodes[node.name]["outputs"][0]))
+                out[self.capture.placeholders[node.name][1]] = local_slices(shape, placements, self.mesh)
+        return out
+
+
+def check_fits(cap: Capture, plan: PlanDocument, mesh: DeviceMesh) -> None:
+    """Raise PlanMismatchError unless ``plan`` belongs to this capture, mesh and world size."""
+    fingerprint = cap.fingerprint()
+    if plan.graph_fingerprint != fingerprint:
+        raise PlanMismatchError(
+            f"the plan was solved for graph {plan.graph_fingerprint[:12]}, but this model captures as "
+            f"{fingerprint[:12]}: the model, its sizes or its inputs changed since planning; profile and solve "
+            "again (cauto plan) for this model")
+    shape = tuple(plan.mesh["shape"])
+    if tuple(mesh.shape) != shape:
+        raise PlanMismatchError(f"the plan is for a mesh of shape {shape} (axes {plan.mesh['axis_names']}), but "
+                                f"the mesh given has shape {tuple(mesh.shape)}; build the mesh with "
+                                f"make_mesh({list(shape)}) or solve for this mesh")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    size = 1
+    for s in shape:
+        size *= s
+    if size != world:
+        raise PlanMismatchError(f"the plan's mesh {shape} needs {size} processes, but the world size is {world}; "
+                                f"launch with torchrun --nproc-per-node {size}")
+    for section in ("nodes", "params"):
+        for node_id, entry in getattr(plan, section).items():
+            lists = [entry["placements"]] if section == "params" else entry["inputs"] + entry["outputs"]
+            if any(len(p) != len(shape) for p in lists):
+                raise PlanMismatchError(f"plan.{section}[{node_id!r}] has a placement with other than {len(shape)} "
+                                        f"entries (one per mesh axis of {shape}); the plan is malformed")
+    offloaded = [entry["target"] for entry in plan.params.values() if entry.get("state", "device") != "device"]
+    if offloaded:
+        raise PlanMismatchError(
+            f"the plan keeps the state of {len(offloaded)} parameters off the device (first: {offloaded[0]!r}, "
+            f"state {next(e['state'] for e in plan.params.values() if e['target'] == offloaded[0])!r}); apply does "
+            "not run chunked or host state yet: use cauto.runtime.chunks for offloading, or solve without it")
+    missing = [n.name for n in cap.value_nodes() if n.name not in plan.nodes]
+    if missing:
+        raise PlanMismatchError(f"plan.nodes has no entry for {len(missing)} graph nodes (first: {missing[0]!r})")
+
+
+def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, mesh: DeviceMesh, *,
+          state_dict: dict[str, torch.Tensor] | None = None, seed: int | None = None,
+          bucket_bytes: int = DEFAULT_BUCKET_BYTES, check_placements: bool = True,
+          captured: Capture | None = None) -> ParallelModule:
+    """Return the model of factory ``model_or_fn`` parallelized per ``plan`` on ``mesh`` (this rank's part).
+
+    ``model_or_fn``: the factory the plan was made from (``() -> (model, inputs)``); ``captured``: its
+    Capture when the caller already has one (skips capturing again).
+    ``plan``: a PlanDocument, a dict or a path (any supported schema version; other majors refused).
+    ``state_dict``: full tensors to load (each rank keeps its shard); otherwise parameters are
+    initialized per rank as ``cauto.runtime.materialize`` documents, from ``seed`` (None: rank 0's
+    ``torch.initial_seed()``, shared with all ranks). ``check_placements``: compare DTensor's own
+    placement choices with the plan before the first step (mismatches are fixed and reported).
+    """
+    plan = plan if isinstance(plan, PlanDocument) else load_plan(plan)
+    if isinstance(model_or_fn, nn.Module):
+        raise TypeError("apply takes a factory returning (model, inputs), not a built model: cauto builds the "
+                        "model on the meta device and gives each rank only its shards")
+    fn = model_or_fn
+    cap = captured if captured is not None else capture(fn)
+    check_fits(cap, plan, mesh)
+    if seed is None and state_dict is None:
+        seed = _shared_seed()
+    model, _, fills = build_skeleton(fn)
+    model.train()
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "use_cache", False):
+        config.use_cache = False
+    placements = {cap.placeholders[pid][1]: ",".join(entry["placements"]) for pid, entry in plan.params.items()}
+    for pid, (kind, fqn) in cap.placeholders.items():
+        if kind == "param" and fqn not in placements:
+            canonical = cap.tied.get(pid)
+            if canonical in plan.params:
+                placements[fqn] = ",".join(plan.params[canonical]["placements"])
+    materialize(model, fills, mesh, placements, seed=seed, state_dict=state_dict)
+    propagation = None
+    if check_placements:
+        ph = {n.name: ",".join(plan.nodes[n.name]["outputs"][0]) for n in cap.graph.nodes if n.op == "placeholder"}
+        inputs = {k: [",".join(p) for p in v["inputs"]] for k, v in plan.nodes.items()}
+        outputs = {k: [",".join(p) for p in v["outputs"]] for k, v in plan.nodes.items()}
+        propagation = propagate(cap, mesh, ph, node_inputs=inputs, node_outputs=outputs)
+    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+    executable = execute.build(cap, plan, mesh, device, propagation)
+    return ParallelModule(model, cap, plan, mesh, executable, bucket_bytes)
+
+
+def _shared_seed() -> int:
+    seed = [torch.initial_seed() % 2**63]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(seed, src=0)
+    return int(seed[0])
+
+
+__all__ = ["ParallelModule", "PlanMismatchError", "apply"]

@@ -1,0 +1,280 @@
+"""Turn the captured graph into the parallel program that runs: an fx GraphModule on DTensors.
+
+The lifted graph of the capture (placeholders: parameters, buffers, constants, user inputs in
+graph-signature order) is copied node for node, names kept, and rewritten:
+
+* user inputs go through ``ops.place_input`` (global or local batch -> a DTensor as planned);
+* before an op, every tensor input whose placement differs from the plan's input placement is
+  redistributed (``ops.redistribute``): these are the plan's edges;
+* outputs of ops without tensor inputs (arange, masks) stay plain tensors, computed identically on
+  every rank, and become replicated DTensors (``ops.replicate``) where a DTensor op first uses them;
+* where DTensor's natural output placement differs from the plan (found before the first step by
+  ``propagate``), the output is redistributed to the planned placement and the mismatch recorded;
+* a few ATen ops without DTensor sharding rules on this device are replaced by ``ops`` versions
+  that run locally on each shard (e.g. attention with batch or heads sharded);
+* checkpoint regions become calls of ``torch.utils.checkpoint.checkpoint`` on sub-GraphModules.
+
+The generated code (``ExecutableGraph.code``) is the GraphModule's own ``.code`` with the plan's
+placements and collectives appended as comments, and the module's ``forward`` is compiled from
+exactly that text: what a user reads is what runs.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+import torch.utils.checkpoint
+from cauto.plan import PlanDocument
+from cauto.profiler.capture import _SKIPPED_TARGETS, Capture, output_tensors, tensor_inputs
+from cauto.runtime import ops
+from cauto.runtime.collectives import describe, edge_collectives
+from cauto.runtime.propagate import Propagation
+from torch.distributed.device_mesh import DeviceMesh
+from torch.fx.graph_module import _forward_from_src
+
+
+@dataclass
+class Redistribution:
+    """One redistribution the program executes: an edge of the plan, or a fix of a mismatch."""
+
+    src: str
+    dst: str
+    arg: int
+    have: str
+    want: str
+    bytes: int
+    kind: str  # "edge" (in plan.edges), "implicit" (placements differ, no edge listed), "mismatch", "param"
+
+
+@dataclass
+class ExecutableGraph:
+    """The parallel program: the GraphModule that runs, its source, and what it redistributes."""
+
+    module: torch.fx.GraphModule
+    code: str
+    redistributions: list[Redistribution] = field(default_factory=list)
+    #: node id -> (planned output placements, DTensor's natural ones)
+    mismatches: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: node id -> why its placements could not be checked before running
+    unchecked: dict[str, str] = field(default_factory=dict)
+    #: node id -> collectives DTensor runs inside the op (a redistribution the plan did not list)
+    hidden: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+def _join(placements: list[str]) -> str:
+    return ",".join(placements)
+
+
+def _nbytes(node: torch.fx.Node) -> int:
+    tensors = output_tensors(node)
+    return int(tensors[0].numel() * tensors[0].element_size()) if tensors else 0
+
+
+def _fix_devices(node: torch.fx.Node, device: torch.device) -> None:
+    def fix(a):
+        return device if isinstance(a, torch.device) and a.type == "meta" else a
+    node.args, node.kwargs = pytree.tree_map(fix, (node.args, node.kwargs))
+
+
+def _replace_tensor_inputs(node: torch.fx.Node, new: list[torch.fx.Node]) -> None:
+    """Replace the tensor inputs of ``node`` (tensor_inputs order) by ``new``, occurrence by occurrence."""
+    it = iter(new)
+    node.args, node.kwargs = pytree.tree_map(
+        lambda a: next(it) if isinstance(a, torch.fx.Node) and output_tensors(a) else a, (node.args, node.kwargs))
+
+
+def _insert(graph: torch.fx.Graph, where: torch.fx.Node, before: bool, target, args, like: torch.fx.Node,
+            owner: str, comment: str) -> torch.fx.Node:
+    ctx = graph.inserting_before(where) if before else graph.inserting_after(where)
+    with ctx:
+        new = graph.call_function(target, args)
+    new.meta["val"] = like.meta.get("val")
+    new.meta["cauto_owner"] = owner
+    new.meta["cauto_comment"] = comment
+    return new
+
+
+def build(cap: Capture, plan: PlanDocument, mesh: DeviceMesh, device: torch.device,
+          propagation: Propagation | None = None) -> ExecutableGraph:
+    """Rewrite the captured graph for ``plan`` on ``mesh`` (see module docstring) and compile it."""
+    graph = torch.fx.Graph()
+    val_map: dict[torch.fx.Node, torch.fx.Node] = {}
+    out = graph.graph_copy(cap.graph, val_map)
+    graph.output(out)
+    result = ExecutableGraph(module=None, code="")  # type: ignore[arg-type]
+    if propagation is not None:
+        result.hidden = dict(propagation.hidden)
+    planned_edges = {(e["src"], e["dst"], e["arg"]) for e in plan.edges}
+    nodes_plan = plan.nodes
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    with graph.inserting_after(placeholders[-1]):
+        mesh_node = graph.get_attr("mesh")
+    placement: dict[torch.fx.Node, str] = {}   # current placement of each distributed value
+    local: set[torch.fx.Node] = set()           # values that are plain tensors
+    wrapped: dict[torch.fx.Node, torch.fx.Node] = {}
+    moved: dict[tuple[torch.fx.Node, str], torch.fx.Node] = {}
+    replicated = _join(["R"] * mesh.ndim)
+
+    def planned(node_id: str, key: str) -> list[str]:
+        entry = nodes_plan.get(node_id)
+        if entry is None:
+            raise KeyError(f"the plan has no entry for graph node {node_id!r} (plan.nodes); solve the plan again")
+        return [_join(p) for p in entry[key]]
+
+    for node in placeholders:
+        kind, target = cap.placeholders[node.name]
+        want = planned(node.name, "outputs")[0]
+        if kind == "input":
+            shape = tuple(int(s) for s in output_tensors(node)[0].shape)
+            new = _insert(graph, mesh_node, False, ops.place_input, (node, mesh_node, want, shape), node, node.name,
+                          f"input {target}: {want}")
+            node.replace_all_uses_with(new, delete_user_cb=lambda u, new=new: u is not new)
+            placement[new] = want
+            continue
+        stored = _join(plan.params[node.name]["placements"]) if kind == "param" and node.name in plan.params else replicated
+        placement[node] = stored
+        if stored != want and node.users:
+            new = _insert(graph, mesh_node, False, ops.redistribute, (node, mesh_node, want), node, node.name,
+                          f"{kind} {target}: stored {describe(stored, want)}")
+            node.replace_all_uses_with(new, delete_user_cb=lambda u, new=new: u is not new)
+            placement[new] = want
+            result.redistributions.append(Redistribution(node.name, node.name, 0, stored, want, _nbytes(node), "param"))
+
+    for node in list(graph.nodes):
+        if node.op != "call_function" or "cauto_owner" in node.meta:
+            continue
+        if str(node.target) in _SKIPPED_TARGETS:
+            if not node.users:
+                graph.erase_node(node)
+            continue
+        _fix_devices(node, device)
+        if node.target is operator.getitem:
+            parent, index = node.args
+            if parent in local:
+                local.add(node)
+            elif parent.name in nodes_plan:
+                placement[node] = planned(parent.name, "outputs")[index]
+                _fix_mismatch(graph, node, parent.name, index, placement, mesh_node, propagation, result)
+            continue
+        tins = tensor_inputs(node)
+        if all(a in local for a in tins):
+            local.add(node)
+            continue
+        wanted = planned(node.name, "inputs")
+        if len(wanted) != len(tins):
+            raise ValueError(f"plan.nodes[{node.name!r}].inputs has {len(wanted)} entries but the op has "
+                             f"{len(tins)} tensor inputs; the plan does not fit this graph")
+        new_inputs = []
+        for k, arg in enumerate(tins):
+            value, have = arg, placement.get(arg, replicated)
+            if arg in local:
+                if arg not in wrapped:
+                    wrapped[arg] = _insert(graph, node, True, ops.replicate, (arg, mesh_node), arg, node.name,
+                                           "plain tensor, identical on every rank -> replicated DTensor")
+                    placement[wrapped[arg]] = replicated
+                value, have = wrapped[arg], replicated
+            if have != wanted[k]:
+                key = (value, wanted[k])
+                src_ref = _ref(arg)
+                kind = "edge" if (src_ref, node.name, k) in planned_edges else "implicit"
+                if key not in moved:
+                    moved[key] = _insert(graph, node, True, ops.redistribute, (value, mesh_node, wanted[k]), arg,
+                                         node.name, f"{kind} {src_ref} -> {node.name}[{k}]: {describe(have, wanted[k])}")
+                    placement[moved[key]] = wanted[k]
+                    result.redistributions.append(Redistribution(src_ref, node.name, k, have, wanted[k],
+                                                                  _nbytes(arg), kind))
+                value = moved[key]
+            new_inputs.append(value)
+        _replace_tensor_inputs(node, new_inputs)
+        if node.target in ops.SUBSTITUTES:
+            node.target = ops.SUBSTITUTES[node.target]
+        outs = planned(node.name, "outputs")
+        node.meta["cauto_comment"] = _join(outs) if len(outs) == 1 else " | ".join(outs)
+        if node.name in result.hidden:
+            inside = ", ".join(f"{op} x{n}" for op, n in result.hidden[node.name].items())
+            node.meta["cauto_comment"] += f"  (DTensor redistributes inside: {inside})"
+        if len(output_tensors(node)) == 1 and not _is_container(node):
+            placement[node] = outs[0]
+            _fix_mismatch(graph, node, node.name, 0, placement, mesh_node, propagation, result)
+
+    (output,) = [n for n in graph.nodes if n.op == "output"]
+    loss = pytree.tree_leaves(output.args)[0]
+    with graph.inserting_before(output):
+        rescale = getattr(loss, "target", None) in ops.RESCALE_AVG_LOSSES
+        final = graph.call_function(ops.to_local_loss, (loss, mesh_node, rescale))
+    final.meta["cauto_comment"] = "loss, replicated on every rank"
+    output.args = ((final,),)
+    root = torch.nn.Module()
+    root.mesh = mesh
+    gm = torch.fx.GraphModule(root, graph)
+    if plan.checkpoint:
+        from cauto.runtime.checkpoint import wrap_regions
+        wrap_regions(gm, plan.checkpoint.get("regions", []))
+    result.module = gm
+    result.code = compile_with_comments(gm)
+    return result
+
+
+def _is_container(node: torch.fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, (tuple, list))
+
+
+def _ref(node: torch.fx.Node) -> str:
+    if node.op == "call_function" and node.target is operator.getitem:
+        return f"{node.args[0].name}#{node.args[1]}"
+    return node.name
+
+
+def _fix_mismatch(graph, node, node_id, index, placement, mesh_node, propagation, result) -> None:
+    """After ``node`` (output ``index`` of ``node_id``): redistribute if DTensor's choice is not the plan's."""
+    if propagation is None:
+        return
+    if node_id in propagation.failed:
+        result.unchecked[node_id] = propagation.failed[node_id]
+        return
+    natural = propagation.outputs.get(node_id)
+    if natural is None or index >= len(natural):
+        return
+    want = placement[node]
+    if natural[index] == want:
+        return
+    fix = _insert(graph, node, False, ops.redistribute, (node, mesh_node, want), node, node_id,
+                  f"MISMATCH: DTensor gives {describe(natural[index], want)} (plan says {want})")
+    node.replace_all_uses_with(fix, delete_user_cb=lambda u: u is not fix)
+    placement[fix] = want
+    result.mismatches[node_id if index == 0 else f"{node_id}#{index}"] = (want, natural[index])
+    result.redistributions.append(Redistribution(node_id, node_id, index, natural[index], want, _nbytes(node),
+                                                 "mismatch"))
+
+
+_ASSIGN = re.compile(r"^    (\w+) = ")
+
+
+def compile_with_comments(gm: torch.fx.GraphModule) -> str:
+    """Recompile ``gm`` from its code with each node's ``cauto_comment`` appended; return that source."""
+    python_code = gm.recompile()
+    comments = {n.name: n.meta["cauto_comment"] for n in gm.graph.nodes if n.meta.get("cauto_comment")}
+    lines = []
+    for line in python_code.src.splitlines():
+        match = _ASSIGN.match(line)
+        if match and match.group(1) in comments:
+            line = f"{line}  # {comments[match.group(1)]}"
+        lines.append(line)
+    src = "\n".join(lines) + "\n"
+    gm._code = src
+    type(gm).forward = _forward_from_src(src, python_code.globals, getattr(gm.graph, "_co_fields", {}))
+    return src
+
+
+def collectives_of(redistributions: list[Redistribution]) -> list[dict]:
+    """Forward collectives of the executed redistributions, as plan-document entries."""
+    out = []
+    for r in redistributions:
+        out += edge_collectives(r.have, r.want, r.bytes, phase="forward", where=f"{r.src}->{r.dst}[{r.arg}]")
+    return out

@@ -1,0 +1,125 @@
+"""Gradient synchronization: bring each gradient to its parameter's placement, bucketed and overlapped.
+
+A parameter replicated on a data-parallel axis gets a gradient that is Partial there. Left alone,
+DTensor would all-reduce it parameter by parameter when the optimizer touches it, with no overlap
+(the speed trap in ARCHITECTURE.md). Instead, a post-accumulate-grad hook on every parameter puts
+its gradient into a bucket as soon as autograd has it; a full bucket (``bucket_bytes``) is
+flattened into one buffer and all-reduced asynchronously while backward goes on, as DDP does. At the
+end of backward (an autograd engine callback) the last buckets are launched, all are waited for and
+each gradient becomes a DTensor with its parameter's placements, viewing the reduced buffer.
+
+Bucketed: Partial(sum|avg) -> Replicate on any set of mesh axes (the data-parallel case).
+Everything else (Partial -> Shard: a reduce-scatter; Partial(max)) is redistributed per parameter
+at the end of backward, which is correct but not bucketed. One backward per optimizer step is
+assumed: a second backward without ``zero_grad`` adds a new Partial gradient to a synchronized one,
+which DTensor then all-reduces per parameter (correct, slower).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
+@dataclass
+class _Bucket:
+    params: list[torch.nn.Parameter] = field(default_factory=list)
+    nbytes: int = 0
+
+
+class GradSync:
+    """Hooks that synchronize the gradients of ``params`` on ``mesh`` after each backward."""
+
+    def __init__(self, params: list[torch.nn.Parameter], mesh: DeviceMesh, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        self.mesh = mesh
+        self.bucket_bytes = bucket_bytes
+        self._open: dict[tuple, _Bucket] = {}
+        self._inflight: list[tuple[tuple, list, torch.Tensor, object]] = []
+        self._fallback: list[torch.nn.Parameter] = []
+        self._queued = False
+        #: per finished backward: (op, axis, bytes) of each bucket, for verify
+        self.last_buckets: list[tuple[str, int, int]] = []
+        #: per finished backward: buckets launched while backward was still running (overlapped)
+        self.last_overlapped = 0
+        self._early = 0
+        self._handles = []
+        seen = set()
+        for p in params:
+            if id(p) in seen or not p.requires_grad:
+                continue
+            seen.add(id(p))
+            self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def _key(self, p: torch.nn.Parameter) -> tuple | None:
+        """(dtype, ((axis, reduce_op), ...)) when the gradient can go into a bucket, None otherwise."""
+        axes = []
+        for axis, (g, want) in enumerate(zip(p.grad.placements, p.placements)):
+            if g == want:
+                continue
+            if isinstance(g, Partial) and isinstance(want, Replicate) and g.reduce_op in ("sum", "avg"):
+                axes.append((axis, g.reduce_op))
+            else:
+                return None
+        return (p.grad.dtype, tuple(axes))
+
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        if not self._queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self._queued = True
+        grad = p.grad
+        if not isinstance(grad, DTensor) or tuple(grad.placements) == tuple(p.placements):
+            return
+        key = self._key(p)
+        if key is None:
+            self._fallback.append(p)
+            return
+        bucket = self._open.setdefault(key, _Bucket())
+        bucket.params.append(p)
+        bucket.nbytes += grad._local_tensor.numel() * grad._local_tensor.element_size()
+        if bucket.nbytes >= self.bucket_bytes:
+            self._launch(key)
+            self._early += 1
+
+    def _launch(self, key: tuple) -> None:
+        bucket = self._open.pop(key)
+        flat = torch.cat([p.grad._local_tensor.reshape(-1) for p in bucket.params])
+        (axis, _), *_ = key[1]
+        work = dist.all_reduce(flat, group=self.mesh.get_group(axis), async_op=True)
+        self._inflight.append((key, bucket.params, flat, work))
+
+    def _finish(self) -> None:
+        for key in list(self._open):
+            self._launch(key)
+        self.last_buckets = []
+        for key, params, flat, work in self._inflight:
+            work.wait()
+            axes = key[1]
+            for axis, _ in axes[1:]:
+                dist.all_reduce(flat, group=self.mesh.get_group(axis))
+            for axis, op in axes:
+                self.last_buckets.append(("all_reduce", axis, flat.numel() * flat.element_size()))
+                if op == "avg":
+                    flat.div_(self.mesh.size(axis))
+            offset = 0
+            for p in params:
+                local = p.grad._local_tensor
+                n = local.numel()
+                p.grad = DTensor.from_local(flat[offset:offset + n].view_as(local), self.mesh, p.placements,
+                                            run_check=False, shape=p.shape, stride=p.stride())
+                offset += n
+        for p in self._fallback:
+            p.grad = p.grad.redistribute(self.mesh, p.placements)
+        self.last_overlapped, self._early = self._early, 0
+        self._inflight, self._fallback, self._queued = [], [], False
+
+    def remove(self) -> None:
+        """Remove the hooks (the parameters' gradients are then left as autograd makes them)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []

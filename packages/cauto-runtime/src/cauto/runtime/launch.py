@@ -1,0 +1,72 @@
+"""``torchrun --nproc-per-node N -m cauto.runtime.launch TARGET --plan plan.json --steps K [--verify]``.
+
+Trains the model of factory TARGET ("pkg.module:fn") for K AdamW steps under the plan, on gloo
+(CPU) or NCCL (CUDA), every rank passing the factory's example batch (global-batch mode). Process
+groups get a collective timeout, and a rank that fails prints its error and makes the job exit
+non-zero: a failing rank never leaves the others hanging past the timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="cauto.runtime.launch", description=__doc__.splitlines()[0])
+    parser.add_argument("target", help="model factory, e.g. cauto.profiler.zoo:gpt")
+    parser.add_argument("--plan", required=True)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout-s", type=float, default=120.0, help="collective timeout")
+    parser.add_argument("--verify", action="store_true", help="print predicted vs executed collectives and peak memory")
+    args = parser.parse_args(argv)
+
+    import torch
+    import torch.distributed as dist
+    from cauto.plan import load_plan
+    from cauto.profiler.capture import split_inputs
+    from cauto.runtime.apply import apply
+    from cauto.runtime.codegen_cli import load_target
+    from cauto.runtime.dist_utils import init_distributed, make_mesh
+    from cauto.runtime.verify import format_report, verify_step
+
+    rank = 0
+    try:
+        init_distributed(args.timeout_s)
+        rank = dist.get_rank()
+        plan = load_plan(args.plan)
+        mesh = make_mesh(plan.mesh["shape"], plan.mesh["axis_names"])
+        fn = load_target(args.target)
+        model = apply(fn, plan, mesh, seed=args.seed)
+        torch.manual_seed(args.seed)
+        with torch.device("cpu"):
+            _, example = fn()
+        inputs = split_inputs(example)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        for step in range(args.steps):
+            start = time.perf_counter()
+            loss = model(*inputs[0], **inputs[1])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if rank == 0:
+                print(f"step {step} loss {loss.item():.5f} time {time.perf_counter() - start:.3f} s", flush=True)
+        if args.verify:
+            print(format_report(verify_step(model, inputs, opt), rank), flush=True)
+        dist.barrier()
+        dist.destroy_process_group()
+        return 0
+    except Exception:
+        # Exit without waiting for the other ranks: torchrun then stops them, and any rank blocked in
+        # a collective with this one fails after the process group's timeout at the latest.
+        print(f"[rank {rank}] cauto launch failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

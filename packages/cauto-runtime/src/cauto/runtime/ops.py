@@ -1,0 +1,140 @@
+"""The functions that generated parallel code calls between ATen ops.
+
+Each takes placements as a plan string ("S(0),R": one entry per mesh axis) so that generated code
+reads like the plan. They are plain functions of DTensors; the collectives they run are exactly
+those DTensor's ``redistribute`` chooses for the two placements.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.utils.checkpoint
+from cauto.runtime.dist_utils import local_slices, placements_text, to_placements
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.utils._python_dispatch import _disable_current_modes
+
+
+def redistribute(x: DTensor, mesh: DeviceMesh, placements: str) -> DTensor:
+    """``x`` redistributed to ``placements`` (a plan edge): all-gather, all-reduce, reduce-scatter..."""
+    target = to_placements(placements)
+    if tuple(x.placements) == target:
+        return x
+    return x.redistribute(mesh, target)
+
+
+def replicate(x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    """A plain tensor that every rank computed identically (arange, zeros, masks) as a replicated DTensor."""
+    if isinstance(x, DTensor):
+        return x
+    return DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+def place_input(x: torch.Tensor, mesh: DeviceMesh, placements: str, global_shape: tuple[int, ...]) -> DTensor:
+    """A user input as a DTensor with ``placements``.
+
+    Global-batch mode: ``x`` has ``global_shape`` (every rank passes the same batch) and each rank
+    keeps its slice, without communication. Local-batch mode: ``x`` already is this rank's shard
+    (``ParallelModule.input_slices()`` says which); it is wrapped as is.
+    """
+    if isinstance(x, DTensor):
+        return x if placements_text(x.placements) == placements else redistribute(x, mesh, placements)
+    target = to_placements(placements)
+    shape = tuple(global_shape)
+    index = local_slices(shape, target, mesh)
+    local_shape = tuple(s.stop - s.start for s in index)
+    if tuple(x.shape) == shape:
+        local = x[index] if local_shape != shape else x
+    elif tuple(x.shape) == local_shape:
+        local = x
+    else:
+        raise ValueError(
+            f"input of shape {tuple(x.shape)} fits neither the captured global shape {shape} nor this rank's "
+            f"shard {local_shape} (placement {placements}); pass the batch the model was captured with, or "
+            "this rank's slice of it (ParallelModule.input_slices())"
+        )
+    if x.device.type != mesh.device_type:
+        local = local.to(mesh.device_type)
+    return DTensor.from_local(local, mesh, target, run_check=False, shape=torch.Size(shape),
+                              stride=_contiguous_stride(shape))
+
+
+def to_local_loss(x: torch.Tensor, mesh: DeviceMesh, rescale_avg_grad: bool = False) -> torch.Tensor:
+    """The loss as a plain tensor, replicated on every rank (all-reduced first if it is Partial).
+
+    ``rescale_avg_grad``: set for losses whose DTensor backward differentiates each rank's local mean
+    when the loss is Partial(avg) (``aten.mse_loss`` in torch 2.13, whichever placement its incoming
+    gradient has; cross entropy is right): the gradient is then divided by the number of ranks
+    averaged over. The parity tests check both.
+    """
+    if not isinstance(x, DTensor):
+        return x
+    avg_ranks = 1
+    for axis, p in enumerate(x.placements):
+        if isinstance(p, Partial) and p.reduce_op == "avg":
+            avg_ranks *= mesh.size(axis)
+    if rescale_avg_grad and avg_ranks > 1 and x.requires_grad:
+        x.register_hook(lambda g: g / avg_ranks)
+    if any(not isinstance(p, Replicate) for p in x.placements):
+        x = x.redistribute(mesh, [Replicate()] * mesh.ndim)
+    return x.to_local()
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+def sdpa(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False, *,
+         scale: float | None = None, enable_gqa: bool = False):
+    """``aten.scaled_dot_product_attention`` on DTensors, run locally on each shard.
+
+    Attention is independent per batch element and per head, so with query, key and value placed
+    alike and sharded only on dims 0 (batch) or 1 (heads), each rank attends over its own shard
+    (DTensor has no sharding rule for the CPU flash kernel). Other placements (sequence or head_dim
+    sharded, Partial) are first replicated on those axes.
+    """
+    plain = torch.ops.aten.scaled_dot_product_attention.default
+    tensors = [t for t in (query, key, value, attn_mask) if isinstance(t, DTensor)]
+    if not tensors:
+        return plain(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    mesh = tensors[0].device_mesh
+    target = [p if isinstance(p, Shard) and p.dim in (0, 1) else Replicate() for p in query.placements]
+    q, k, v = (t.redistribute(mesh, target) if tuple(t.placements) != tuple(target) else t
+               for t in (query, key, value))
+    mask_local = None
+    if attn_mask is not None:
+        mask_target = [p if isinstance(p, Shard) and attn_mask.ndim == query.ndim
+                       and attn_mask.shape[p.dim] == query.shape[p.dim] != 1 else Replicate() for p in target]
+        if not isinstance(attn_mask, DTensor):
+            attn_mask = replicate(attn_mask, mesh)
+        if tuple(attn_mask.placements) != tuple(mask_target):
+            attn_mask = attn_mask.redistribute(mesh, mask_target)
+        mask_local = attn_mask.to_local()
+    shape = (*query.shape[:-1], value.shape[-1])
+    # No collective runs below; dispatch modes (CommDebugMode) are kept out of the local computation,
+    # whose backward they would otherwise see with plain tensors.
+    with _disable_current_modes():
+        out = plain(q.to_local(), k.to_local(), v.to_local(), mask_local, dropout_p, is_causal, scale=scale,
+                    enable_gqa=enable_gqa)
+        return DTensor.from_local(out, mesh, target, run_check=False, shape=torch.Size(shape),
+                                  stride=_contiguous_stride(shape))
+
+
+#: ATen ops that DTensor cannot shard on some devices, replaced by the function above (same signature)
+SUBSTITUTES = {torch.ops.aten.scaled_dot_product_attention.default: sdpa}
+
+
+def checkpointed(region: torch.nn.Module, *args):
+    """Run a checkpoint region (a sub-GraphModule) under non-reentrant ``torch.utils.checkpoint``.
+
+    Its forward is called directly, not through ``nn.Module.__call__``, so module hooks (and
+    CommDebugMode's module tracker) do not run again when backward recomputes it.
+    """
+    return torch.utils.checkpoint.checkpoint(region.forward, *args, use_reentrant=False)
+
+#: loss ops whose DTensor backward needs ``to_local_loss(rescale_avg_grad=True)``
+RESCALE_AVG_LOSSES = {torch.ops.aten.mse_loss.default}

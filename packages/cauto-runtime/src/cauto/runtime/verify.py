@@ -1,0 +1,166 @@
+"""``--verify``: what the plan predicted against what a training step really did, on this rank.
+
+* Collectives: one step runs under ``CommDebugMode``; executed collectives are counted per op type
+  and phase (forward; backward including the bucketed gradient all-reduces) and compared with
+  ``plan.predictions.collectives``. The plan's gradient-sync entries are per parameter; the runtime
+  sends them in buckets, so they are compared as launched buckets and as bytes.
+* Peak memory: the step runs under ``torch.profiler.profile(profile_memory=True)`` and the peak of
+  live bytes over its allocation events is added to the bytes already live when it started
+  (parameters, gradients, optimizer state). In multi-process gloo runs a tensor freed on a gloo
+  worker thread has no free event (ENVIRONMENT.md); ``allocation_peak`` treats a new allocation at
+  a still-live address as proof of that free. On CUDA, ``torch.cuda.max_memory_allocated``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
+
+_OP_NAMES = {"all_gather_into_tensor": "all_gather", "all_gather": "all_gather", "allgather_": "all_gather",
+             "_allgather_base_": "all_gather", "all_reduce": "all_reduce", "allreduce_": "all_reduce",
+             "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
+             "_reduce_scatter_base_": "reduce_scatter", "all_to_all_single": "all_to_all", "alltoall_": "all_to_all",
+             "alltoall_base_": "all_to_all", "broadcast_": "broadcast", "scatter_": "scatter"}
+
+
+def executed_counts(mode: CommDebugMode) -> Counter:
+    """Collectives counted by ``mode``, keyed by plan op names (all_gather, all_reduce, ...)."""
+    out: Counter = Counter()
+    for op, n in mode.get_comm_counts().items():
+        name = str(op).split(".")[-1]
+        out[_OP_NAMES.get(name, name)] += n
+    return out
+
+
+def predicted_counts(plan, phases: tuple[str, ...]) -> Counter:
+    """Collectives of ``plan.predictions.collectives`` in ``phases``, counted per op."""
+    return Counter(c["op"] for c in plan.predictions["collectives"] if c.get("phase", "forward") in phases)
+
+
+def _tensor_bytes(t) -> int:
+    if isinstance(t, DTensor):
+        t = t._local_tensor
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def live_state_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes of this rank's parameters, gradients, buffers and optimizer state."""
+    total = sum(_tensor_bytes(p) + (_tensor_bytes(p.grad) if p.grad is not None else 0) for p in module.parameters())
+    total += sum(_tensor_bytes(b) for b in module.buffers())
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            total += sum(_tensor_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+    return total
+
+
+def measured_peak_bytes(step, module, optimizer) -> int:
+    """Run ``step()`` once and return this rank's peak of live bytes during it (see module docstring)."""
+    if torch.cuda.is_available() and module.mesh.device_type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        return int(torch.cuda.max_memory_allocated())
+    base = live_state_bytes(module, optimizer)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    return base + allocation_peak(prof)
+
+
+def allocation_peak(prof) -> int:
+    """Peak of bytes allocated and still live during a profiled region, from its allocation events.
+
+    A free that happened on a gloo worker thread is not reported, so a block counts as freed as soon
+    as a new allocation reuses its address (the allocator cannot hand out a live address). Uses the
+    profiler's event tree (private in torch 2.13: ``experimental_event_tree``); falls back to summing
+    the public ``[memory]`` events, which over-counts such blocks.
+    """
+    try:
+        from torch._C._profiler import _EventType
+
+        allocations = []
+        stack = list(prof.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children)
+            if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+                allocations.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size))
+    except (AttributeError, ImportError, RuntimeError):
+        live = peak = 0
+        for e in sorted((e for e in prof.events() if e.name == "[memory]"), key=lambda e: e.time_range.start):
+            live += e.cpu_memory_usage
+            peak = max(peak, live)
+        return peak
+    blocks: dict[int, int] = {}
+    live = peak = 0
+    for _, ptr, size in sorted(allocations):
+        if size > 0:
+            live -= blocks.pop(ptr, 0)
+            blocks[ptr] = size
+            live += size
+            peak = max(peak, live)
+        elif ptr in blocks:
+            live -= blocks.pop(ptr)
+    return peak
+
+
+def verify_step(module, inputs: tuple[tuple, dict], optimizer: torch.optim.Optimizer) -> dict:
+    """Run one training step, checked; return predicted vs measured collectives and peak bytes."""
+    args, kwargs = inputs
+    # Forward collectives are counted in a no-grad forward: a graph recorded under CommDebugMode
+    # cannot be differentiated when it contains ops run locally on shards (ops.sdpa) in torch 2.13.
+    with torch.no_grad(), CommDebugMode() as fwd:
+        module(*args, **kwargs)
+    loss = module(*args, **kwargs)
+    with CommDebugMode() as bwd:
+        loss.backward()
+    buckets = list(module.grad_sync.last_buckets)
+    optimizer.step()
+    optimizer.zero_grad()
+
+    def step():
+        module(*args, **kwargs).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    peak = measured_peak_bytes(step, module, optimizer)
+    plan = module.plan
+    predicted_sync = [c for c in plan.predictions["collectives"] if c.get("phase") == "grad_sync"]
+    return {
+        "forward": {"predicted": dict(predicted_counts(plan, ("forward",))), "executed": dict(executed_counts(fwd))},
+        "backward": {"predicted": dict(predicted_counts(plan, ("backward",))),
+                     "executed": dict(executed_counts(bwd) - Counter({"all_reduce": len(buckets)}))},
+        "grad_sync": {"predicted_collectives": len(predicted_sync),
+                      "predicted_bytes": sum(c["bytes"] for c in predicted_sync),
+                      "executed_buckets": len(buckets), "executed_bytes": sum(b[2] for b in buckets)},
+        "mismatches": {k: {"plan": v[0], "dtensor": v[1]} for k, v in module.executable.mismatches.items()},
+        "hidden": module.executable.hidden,
+        "peak_bytes": {"predicted": int(plan.predictions["peak_bytes"]), "measured": int(peak)},
+        "loss": loss.item(),
+    }
+
+
+def format_report(report: dict, rank: int = 0) -> str:
+    """A small predicted-vs-measured table."""
+    lines = [f"[rank {rank}] cauto verify"]
+    for phase in ("forward", "backward"):
+        ops = sorted(set(report[phase]["predicted"]) | set(report[phase]["executed"]))
+        for op in ops or ["-"]:
+            p, e = report[phase]["predicted"].get(op, 0), report[phase]["executed"].get(op, 0)
+            lines.append(f"  {phase:9s} {op:15s} predicted {p:4d}  executed {e:4d}  {'ok' if p == e else 'DIFF'}")
+    gs = report["grad_sync"]
+    lines.append(f"  grad_sync predicted {gs['predicted_collectives']} per-parameter collectives "
+                 f"({gs['predicted_bytes'] / 2**20:.2f} MiB); executed {gs['executed_buckets']} buckets "
+                 f"({gs['executed_bytes'] / 2**20:.2f} MiB)")
+    pk = report["peak_bytes"]
+    ratio = pk["measured"] / pk["predicted"] if pk["predicted"] else float("nan")
+    lines.append(f"  peak bytes predicted {pk['predicted'] / 2**20:.1f} MiB  measured {pk['measured'] / 2**20:.1f} MiB "
+                 f"(measured/predicted {ratio:.2f})")
+    if report.get("hidden"):
+        lines.append(f"  collectives DTensor runs inside ops (not plan edges): {report['hidden']}")
+    if report["mismatches"]:
+        lines.append(f"  placement mismatches (fixed by a redistribute): {report['mismatches']}")
+    return "\n".join(lines)

@@ -1,0 +1,127 @@
+"""One rank of the runtime's multi-process tests: ``python workers.py RANK WORLD PORT JOBS.json OUT.json``.
+
+Each job applies a plan to a zoo model on gloo and compares with the same model run in this process
+on one device (same initial state, same inputs): losses over 3 AdamW steps and the first step's
+gradients. It also counts the collectives of the first step, and can round-trip the state through
+torch.distributed.checkpoint or compare seed initialization with a single-device build.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+
+
+def _factory(job):
+    from cauto.profiler import zoo
+    return lambda: zoo.ZOO[job["model"]](**job["kwargs"])
+
+
+def run_job(job: dict, mesh, captures: dict) -> dict:
+    from cauto.profiler.capture import capture, loss_of, split_inputs
+    from cauto.runtime.apply import apply
+    from cauto.runtime.verify import executed_counts
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    fn = _factory(job)
+    key = (job["model"], json.dumps(job["kwargs"], sort_keys=True))
+    if key not in captures:
+        captures[key] = capture(fn)
+    cap = captures[key]
+    out: dict = {}
+    if job.get("check") == "seed_init":
+        torch.manual_seed(7)
+        ref, _ = fn()
+        m = apply(fn, job["plan"], mesh, seed=7, captured=cap)
+        diffs = {n: float((p.full_tensor() - ref.get_parameter(n).detach()).abs().max()) for n, p in m.named_parameters()}
+        return {"init_max_diff": max(diffs.values()), "worst": max(diffs, key=diffs.get)}
+    torch.manual_seed(0)
+    ref, inputs = fn()
+    ref.train()
+    if getattr(getattr(ref, "config", None), "use_cache", False):
+        ref.config.use_cache = False
+    state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    m = apply(fn, job["plan"], mesh, state_dict=state, captured=cap, **job.get("apply", {}))
+    args, kwargs = split_inputs(inputs)
+    ref_args, ref_kwargs = args, kwargs
+    if job.get("check") == "local_batch":  # each rank passes only its slice, as input_slices() says
+        slices = m.input_slices()
+        names = list(kwargs)
+        kwargs = {k: v[slices[k]] for k, v in kwargs.items()}
+        out["local_batch_shapes"] = {k: list(kwargs[k].shape) for k in names}
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    loss_diffs, grad_diff = [], 0.0
+    for step in range(3):
+        ref_loss = loss_of(ref(*ref_args, **ref_kwargs))
+        ref_loss.backward()
+        if step == 0:
+            with torch.no_grad(), CommDebugMode() as fwd:  # see verify.verify_step
+                m(*args, **kwargs)
+            loss = m(*args, **kwargs)
+            with CommDebugMode() as bwd:
+                loss.backward()
+            out["forward"] = dict(executed_counts(fwd))
+            out["backward"] = dict(executed_counts(bwd))
+            out["buckets"] = len(m.grad_sync.last_buckets)
+            out["overlapped_buckets"] = m.grad_sync.last_overlapped
+            for name, p in m.named_parameters():
+                g = p.grad.full_tensor()
+                grad_diff = max(grad_diff, float((g - ref.get_parameter(name).grad).abs().max()))
+        else:
+            loss = m(*args, **kwargs)
+            loss.backward()
+        loss_diffs.append(abs(float(loss) - float(ref_loss)))
+        opt.step()
+        opt_ref.step()
+        opt.zero_grad()
+        opt_ref.zero_grad()
+    out.update(loss=float(loss), loss_diffs=loss_diffs, grad_diff=grad_diff,
+               mismatches=len(m.executable.mismatches), redistributions=len(m.executable.redistributions))
+    if job.get("check") == "dcp":
+        import torch.distributed.checkpoint as dcp
+        path = job["dcp_dir"]
+        dcp.save(m.state_dict(), checkpoint_id=path)
+        m2 = apply(fn, job["plan"], mesh, seed=123, captured=cap)
+        before = float(m2(*args, **kwargs))
+        sd = m2.state_dict()
+        dcp.load(sd, checkpoint_id=path)
+        m2.load_state_dict(sd)
+        out["dcp"] = {"before": before, "after": float(m2(*args, **kwargs)), "expected": float(m(*args, **kwargs))}
+    if job.get("check") == "code":
+        out["code_has_redistribute"] = "redistribute" in m.generated_code
+        out["code_has_checkpoint"] = "checkpoint" in m.generated_code
+    return out
+
+
+def main() -> None:
+    rank, world, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    jobs = json.loads(open(sys.argv[4]).read())
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    from cauto.runtime.dist_utils import make_mesh
+
+    results, captures = {}, {}
+    for job in jobs:
+        mesh = make_mesh(job["mesh"], job["axis_names"])
+        try:
+            results[job["name"]] = run_job(job, mesh, captures)
+        except Exception:
+            results[job["name"]] = {"error": traceback.format_exc()[-3000:]}
+            break  # the other ranks may be stuck in a collective of this job: end together
+    with open(sys.argv[5] + f".{rank}", "w") as fh:
+        json.dump(results, fh)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    tempfile.tempdir = None
+    main()

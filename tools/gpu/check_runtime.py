@@ -1,0 +1,111 @@
+"""One-command GPU check of cauto's runtime: NCCL, world size 1, the same code path as CPU (~1-2 minutes).
+
+    python tools/gpu/check_runtime.py [--dim 1024 --layers 8 --seq 512 --batch 8]
+
+For the zoo GPT: profile (cauto.profiler, device cuda) -> solve for a 1-device mesh (cauto-solver,
+preset h200) -> apply -> 3 AdamW steps on CUDA under NCCL. Falls back to a hand-made plan
+(cauto.runtime.handplan) with the profiler's predicted peak when the solver is unavailable.
+Prints one table: loss vs the plain single-device model (same initial state), predicted peak bytes
+(plan) vs torch.cuda.max_memory_allocated of a step of the cauto model and of the plain model, and
+step times of both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dim", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=8)
+    args = ap.parse_args()
+    assert torch.cuda.is_available(), "this check needs a CUDA device"
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+
+    from cauto.plan import load_plan
+    from cauto.profiler import capture, profile
+    from cauto.profiler.capture import loss_of, split_inputs
+    from cauto.profiler.zoo import gpt
+    from cauto.runtime.apply import apply
+    from cauto.runtime.dist_utils import init_distributed, make_mesh
+    from cauto.runtime.verify import format_report, verify_step
+
+    init_distributed(120)
+    mesh = make_mesh((1,), ("dp",))
+    fn = lambda: gpt(batch=args.batch, seq=args.seq, vocab=args.vocab, dim=args.dim, layers=args.layers,  # noqa: E731
+                     heads=args.heads)
+    rows = []
+    prof = profile(fn, device="cuda")
+    try:
+        from cauto.profiler.graphdoc import build_graph_document
+        from cauto.solver import cluster_for_mesh, solve
+        plan = load_plan(solve(build_graph_document(prof), cluster_for_mesh("h200", (1,))))
+        source = "cauto-solver"
+    except Exception as exc:
+        traceback.print_exc()
+        from cauto.runtime.handplan import make_plan
+        plan = load_plan(make_plan(capture(fn), mesh, inputs="R", peak_bytes=prof.peak_bytes))
+        source = f"hand-made (solver failed: {type(exc).__name__})"
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        ref, inputs = fn()
+    state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    model = apply(fn, plan, mesh, state_dict=state)
+    args_, kwargs = split_inputs(inputs)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-4)
+    times, times_ref, losses = [], [], []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        loss = model(*args_, **kwargs)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        ref_loss = loss_of(ref(*args_, **kwargs))
+        ref_loss.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        torch.cuda.synchronize()
+        times_ref.append(time.perf_counter() - t)
+        losses.append((float(loss), float(ref_loss)))
+    report = verify_step(model, (args_, kwargs), opt)
+    torch.cuda.reset_peak_memory_stats()
+    loss_of(ref(*args_, **kwargs)).backward()
+    opt_ref.step()
+    opt_ref.zero_grad()
+    torch.cuda.synchronize()
+    plain_peak = torch.cuda.max_memory_allocated()
+    print(format_report(report))
+    print(f"\nplan: {source}; GPT dim {args.dim} L{args.layers} seq {args.seq} batch {args.batch} on "
+          f"{torch.cuda.get_device_name()}")
+    print("| quantity | cauto | plain single device |\n|---|---:|---:|")
+    print(f"| loss after 3 steps | {losses[-1][0]:.5f} | {losses[-1][1]:.5f} |")
+    print(f"| max loss difference over 3 steps | {max(abs(a - b) for a, b in losses):.2e} | |")
+    print(f"| predicted peak (MiB) | {report['peak_bytes']['predicted'] / 2**20:.1f} | |")
+    print(f"| max_memory_allocated of a step (MiB) | {report['peak_bytes']['measured'] / 2**20:.1f} | "
+          f"{plain_peak / 2**20:.1f} |")
+    print(f"| step time (s, last of 3) | {times[-1]:.4f} | {times_ref[-1]:.4f} |")
+    dist.destroy_process_group()
+    del rows
+
+
+if __name__ == "__main__":
+    main()
