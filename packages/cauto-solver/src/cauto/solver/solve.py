@@ -205,6 +205,13 @@ def plan_document(g: GraphDocument, cluster: ClusterSpec, chosen: Mapping[str, S
                 grad_sync += _collective_dicts(cs, "grad_sync", src_id)
             else:
                 bwd += _collective_dicts(cs, "backward", f"grad of {ref}")
+    # The runtime hands the user a replicated loss: a Partial loss is all-reduced at the end of forward.
+    for out in (n for n in g.nodes if n.kind == "output"):
+        loss_pl = out_pl(out.inputs[0])
+        if any(is_partial(p) for p in loss_pl):
+            src_id, o = split_ref(out.inputs[0])
+            fwd += _collective_dicts(reshard(loss_pl, tuple("R" for _ in mesh), by_id[src_id].outputs[o].bytes, mesh,
+                                             links, cost.overhead_s, cost.all_to_all), "forward", "loss")
     collectives = fwd + bwd + grad_sync
     communication = sum(c["cost_s"] for c in collectives)
     peak, state, act, _ = memory.peak(nodes, dict(chosen))
