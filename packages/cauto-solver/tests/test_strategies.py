@@ -54,3 +54,23 @@ def test_placeholders():
     assert {s.outputs[0] for s in placeholder_strategies(x, (2,), ("dp",))} == {("R",), ("S(0)",)}
     b = GraphNode("b", "buffer", "buffer", "", [], [TensorMeta((8,), "float32", 32)])
     assert [s.outputs[0] for s in placeholder_strategies(b, (2,), ("dp",))] == [("R",)]
+
+
+def test_nested_splits_only_where_dtensor_runs_them():
+    from cauto.plan import GraphNode, Labels, TensorMeta
+
+    from cauto.solver.strategies import op_strategies
+
+    def node(rule, ins, outs, in_shapes, out_shape):
+        return GraphNode(id="n", kind="op", op="x", module="", inputs=[f"i{k}" for k in range(len(ins))],
+                         outputs=[TensorMeta(out_shape, "float32", 4)], labels=Labels(tuple(ins), tuple(outs), rule=rule)), \
+            in_shapes
+
+    lin, shapes = node("matmul", ["bsk", "nk"], ["bsn"], [(8, 8, 4), (4, 4)], (8, 8, 4))
+    names = {s.name for s in op_strategies(lin, shapes, (2, 2), ("dp", "tp"))}
+    assert "b@dp,b@tp" in names          # leading batch dim: DTensor nests it
+    assert "s@dp,s@tp" not in names      # sequence dim of a linear: DTensor raises
+    assert "b@dp,s@tp" in names          # different letters on different axes are fine
+    att, shapes = node("attention", ["bnsd", "bnsd", "bnsd"], ["bnsd"], [(8, 8, 4, 4)] * 3, (8, 8, 4, 4))
+    names = {s.name for s in op_strategies(att, shapes, (2, 2), ("dp", "tp"))}
+    assert "b@dp,b@tp" not in names and "b@dp,n@tp" in names

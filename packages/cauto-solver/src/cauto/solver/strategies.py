@@ -11,7 +11,10 @@ An op's labels give one string per tensor input and output, one character per di
 * replicates: everything Replicate.
 
 Letters marked '.' or listed in ``whole`` are never split, nor is a letter that occurs twice in one
-tensor; mesh axes of size 1 only replicate. Several axes may split the same letter (DTensor nests them in mesh-axis order); a strategy
+tensor; mesh axes of size 1 only replicate. Several axes may split the same letter (DTensor nests
+them in mesh-axis order) except where DTensor raises on such nesting (checked on a 2x2 mesh):
+attention and convolution ops, and a matmul's first input split on a dim other than its first
+(the linear's sequence dim: DTensor flattens batch dims and cannot unflatten a nested shard). A strategy
 is kept only when each letter's size is divisible by the product of the axis sizes splitting it.
 
 The gradient each strategy sends back to input k (what DTensor's backward yields) is, per axis:
@@ -62,6 +65,16 @@ def _labels_fit(node: GraphNode, in_shapes: list[tuple[int, ...]]) -> bool:
     return all(len(spec) == len(shape) for spec, shape in specs)
 
 
+_NO_NESTED_SPLITS = {"attention", "convolution"}
+
+
+def _nestable(letter: str, specs: list[str], rule: str | None) -> bool:
+    """Whether DTensor runs ``letter`` split on several mesh axes at once (see module docstring)."""
+    if rule in _NO_NESTED_SPLITS:
+        return False
+    return not (rule == "matmul" and letter in specs[0] and specs[0].index(letter) != 0)
+
+
 def op_strategies(node: GraphNode, in_shapes: list[tuple[int, ...]], mesh_shape: tuple[int, ...],
                   axis_names: tuple[str, ...]) -> list[Strategy]:
     """All strategies of an op node (replicate-only when its labels are missing or do not fit)."""
@@ -91,6 +104,8 @@ def op_strategies(node: GraphNode, in_shapes: list[tuple[int, ...]], mesh_shape:
             if ch is not None:
                 split[ch] = split.get(ch, 1) * mesh_shape[ax]
         if any(n % f for ch, f in split.items() for n in sizes[ch]):
+            continue
+        if any(not _nestable(ch, all_specs, lab.rule) for ch in split if combo.count(ch) > 1):
             continue
         ins, grads = [], []
         for spec in in_specs:
