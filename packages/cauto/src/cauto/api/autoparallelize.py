@@ -1,0 +1,134 @@
+"""autoparallelize(): profile -> solve -> apply, with the plan cached by fingerprint and cluster.
+
+The model factory is called on the meta device (nothing is allocated) for capture and profiling;
+only the runtime materializes parameters, and each rank only its own shards. In a distributed job
+rank 0 profiles and solves, then sends the plan's JSON text to the other ranks (plain bytes, no
+pickle); the solver is deterministic, so a cached plan is the same on every host.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from cauto.api.plan_cache import PlanCache
+from cauto.plan import dumps, parse
+from cauto.profiler import capture, profile
+from cauto.solver import solve
+from cauto.solver.cli import parse_bytes
+from cauto.solver.cluster import HardwareSpec, cluster_for_mesh
+
+
+def _as_meta(value):
+    if isinstance(value, torch.Tensor):
+        return torch.empty_like(value, device="meta")
+    if isinstance(value, dict):
+        return {k: _as_meta(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_as_meta(v) for v in value)
+    return value
+
+
+def factory_of(model_fn: Callable[[], torch.nn.Module], example_inputs) -> Callable:
+    """A cauto factory ``() -> (model, inputs)`` from a model builder and example inputs (shapes only)."""
+
+    def fn():
+        return model_fn(), _as_meta(example_inputs)
+
+    fn.__name__ = getattr(model_fn, "__name__", "model")
+    return fn
+
+
+def _mesh_of(mesh: DeviceMesh | Sequence[int] | str, axis_names: Sequence[str] | None) -> tuple[tuple, tuple | None]:
+    if isinstance(mesh, DeviceMesh):
+        return tuple(mesh.mesh.shape), tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else axis_names
+    if isinstance(mesh, str):
+        from cauto.solver.cluster import parse_mesh
+
+        return parse_mesh(mesh), axis_names
+    return tuple(int(s) for s in mesh), axis_names
+
+
+def _budget(memory_budget: int | str | None) -> int | None:
+    if memory_budget is None or isinstance(memory_budget, int):
+        return memory_budget
+    return parse_bytes(memory_budget)
+
+
+def plan_for(fn: Callable, mesh_shape: Sequence[int], *, axis_names: Sequence[str] | None = None,
+             hardware: str | HardwareSpec = "cpu-gloo", memory_budget: int | str | None = None,
+             optimizer: str = "adamw", device: str = "cpu", checkpoint: str = "none",
+             cache: PlanCache | None = None, time_limit_s: float = 60.0, verbose: bool = False) -> dict:
+    """Profile ``fn`` and solve a plan for ``mesh_shape`` (or take it from ``cache``); return the plan dict."""
+    cluster = cluster_for_mesh(hardware, tuple(mesh_shape), tuple(axis_names) if axis_names else None)
+    budget = _budget(memory_budget)
+    cap = capture(fn)
+    options = {"budget": budget, "optimizer": optimizer, "device": device, "checkpoint": checkpoint,
+               "mesh": list(mesh_shape), "axis_names": list(cluster.axis_names)}
+    key = PlanCache.key(cap.fingerprint(), cluster.to_dict(), options)
+    if cache is not None and (cached := cache.get(key)) is not None:
+        if verbose:
+            print(f"cauto: plan from cache {cache.path(key)}")
+        return cached
+    start = time.perf_counter()
+    graph = profile(fn, optimizer=optimizer, device=device).to_graph()
+    plan = solve(graph, cluster, memory_budget=budget, time_limit_s=time_limit_s)
+    if verbose:
+        print(f"cauto: profiled and solved in {time.perf_counter() - start:.1f} s")
+    if cache is not None:
+        cache.put(key, plan)
+    return plan
+
+
+def _share_plan(plan: dict | None) -> dict:
+    """Send rank 0's plan JSON to every rank as a byte tensor (no pickling)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return plan
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    if dist.get_rank() == 0:
+        payload = torch.frombuffer(bytearray(dumps(plan).encode()), dtype=torch.uint8).to(device)
+        size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    else:
+        size = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.broadcast(size, 0)
+    if dist.get_rank() != 0:
+        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(payload, 0)
+    return plan if dist.get_rank() == 0 else parse(bytes(payload.cpu().tolist()).decode())
+
+
+def autoparallelize(model_fn: Callable[[], torch.nn.Module], example_inputs, mesh: DeviceMesh | Sequence[int] | str,
+                    *, memory_budget: int | str | None = None, checkpoint: str = "none",
+                    hardware: str | HardwareSpec | None = None, axis_names: Sequence[str] | None = None,
+                    optimizer: str = "adamw", cache_dir: str | None = None, use_cache: bool = True,
+                    state_dict: dict | None = None, seed: int | None = None, verbose: bool = False):
+    """Return ``model_fn()``'s model parallelized over ``mesh`` under ``memory_budget`` per device.
+
+    ``example_inputs``: a tuple or dict of tensors (only shapes and dtypes are used); the returned
+    module takes inputs of the same structure (by default the global batch on every rank).
+    ``mesh``: a DeviceMesh (one is created from the shape when a shape is given and torch.distributed
+    is initialized). ``memory_budget``: bytes or a string like "70GiB". ``hardware``: a preset
+    ("cpu-gloo", "a100", "h100", "h200") or a calibrated spec file; default by the mesh's device.
+    The plan and its predictions are ``model.plan`` and ``model.predictions``.
+    """
+    from cauto.runtime import apply
+
+    shape, names = _mesh_of(mesh, axis_names)
+    if not isinstance(mesh, DeviceMesh):
+        device_type = "cuda" if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl" \
+            else "cpu"
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=tuple(names) if names else None)
+    device = mesh.device_type
+    hardware = hardware or ("h100" if device == "cuda" else "cpu-gloo")
+    fn = factory_of(model_fn, example_inputs)
+    plan = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        cache = PlanCache(cache_dir) if use_cache else None
+        plan = plan_for(fn, shape, axis_names=names, hardware=hardware, memory_budget=memory_budget,
+                        optimizer=optimizer, device=device, checkpoint=checkpoint, cache=cache, verbose=verbose)
+    plan = _share_plan(plan)
+    return apply(fn, plan, mesh, state_dict=state_dict, seed=seed)
