@@ -149,3 +149,14 @@ def test_placement_strings_parse():
     assert parse_placement("P(avg)") == ("P", "avg")
     with pytest.raises(ValueError):
         parse_placement("Shard(0)")
+
+
+def test_dump_writes_an_ordinary_readable_file(tmp_path, graph):
+    import os
+    import stat
+
+    path = dump(graph, tmp_path / "g.json")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
+    assert [p.name for p in tmp_path.iterdir()] == ["g.json"]

@@ -1,5 +1,9 @@
 """cauto.profiler: capture a model once and profile its training step symbolically."""
 
 from cauto.profiler.capture import Capture, CaptureError, capture, loss_of
+from cauto.profiler.devices import DeviceModel, calibrate_cpu, get_device_model
+from cauto.profiler.hints import size_hint
+from cauto.profiler.symbolic import Profile, profile
 
-__all__ = ["Capture", "CaptureError", "capture", "loss_of"]
+__all__ = ["Capture", "CaptureError", "DeviceModel", "Profile", "calibrate_cpu", "capture", "get_device_model",
+           "loss_of", "profile", "size_hint"]

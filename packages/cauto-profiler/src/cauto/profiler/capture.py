@@ -12,6 +12,9 @@ of the first output tensor.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,9 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
-from torch.export.graph_signature import InputKind
-
 from cauto.plan import graph_fingerprint
+from torch.export.graph_signature import InputKind
 
 ModelFactory = Callable[[], tuple[torch.nn.Module, object]]
 
@@ -105,6 +107,8 @@ class Capture:
     placeholders: dict[str, tuple[str, str]] = field(default_factory=dict)
     #: placeholder name of a tied parameter -> placeholder that the graph really uses
     tied: dict[str, str] = field(default_factory=dict)
+    #: data-dependent size symbol -> the size hint it was given (see cauto.profiler.hints)
+    sym_values: dict = field(default_factory=dict)
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -122,6 +126,51 @@ class Capture:
         """The fingerprint of this graph, as written in graph and plan documents."""
         return graph_fingerprint(self.structure())
 
+    def checkpoint_regions(self) -> dict[str, int]:
+        """Node name -> region number for nodes that ran inside torch.utils.checkpoint (non-reentrant).
+
+        torch.export flattens checkpointed code into the graph; capture marks it so that the profiler
+        can replay the same recomputation (the outermost checkpoint call wins when they nest).
+        """
+        return {n.name: n.meta["custom"][CHECKPOINT_KEY] for n in self.graph.nodes
+                if isinstance(n.meta.get("custom"), dict) and CHECKPOINT_KEY in n.meta["custom"]}
+
+
+CHECKPOINT_KEY = "cauto_checkpoint"
+
+
+@contextlib.contextmanager
+def _mark_checkpoints():
+    """While exporting, tag nodes created inside non-reentrant torch.utils.checkpoint calls."""
+    import torch.fx.traceback as fx_traceback
+    import torch.utils.checkpoint as ckpt
+
+    original = getattr(ckpt, "_checkpoint_without_reentrant_generator", None)
+    if original is None or not hasattr(fx_traceback, "annotate"):  # older torch: no marks, no recomputation
+        yield
+        return
+    counter = itertools.count()
+    depth = [0]
+
+    def marked(*args, **kwargs):
+        gen = original(*args, **kwargs)
+        if depth[0]:
+            yield from gen
+            return
+        depth[0] += 1
+        try:
+            with fx_traceback.annotate({CHECKPOINT_KEY: next(counter)}):
+                yield from gen
+        finally:
+            depth[0] -= 1
+
+    ckpt._checkpoint_without_reentrant_generator = marked
+    try:
+        with fx_traceback.preserve_node_meta():
+            yield
+    finally:
+        ckpt._checkpoint_without_reentrant_generator = original
+
 
 def capture(fn: ModelFactory) -> Capture:
     """Build the model on meta, export its loss graph, and return the Capture."""
@@ -129,15 +178,63 @@ def capture(fn: ModelFactory) -> Capture:
     model.train()
     wrapper = LossWrapper(model)
     try:
-        exported = torch.export.export(wrapper, args, kwargs, strict=False)
+        with _mark_checkpoints():
+            exported = torch.export.export(wrapper, args, kwargs, strict=False)
     except Exception as exc:  # torch raises many types here; the message is what the user needs
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         hint = ""
         if "data-dependent" in str(exc).lower() or "guard" in str(exc).lower():
-            hint = (" — the model has a data-dependent op (nonzero, masked_select, .item(), MoE routing); "
-                    "give a size hint with cauto.profiler.size_hint or make the size static")
+            where = _user_frame(exc)
+            hint = (f" — Python code{where} branches on or sizes with a data-dependent value (.item(), int(t), "
+                    "a condition on tensor values); torch.export cannot capture that and no size hint can "
+                    "apply before capture: make the size static or use torch._check (ops with data-dependent "
+                    "output sizes such as nonzero/masked_select are fine: see cauto.profiler.size_hint)")
         raise CaptureError(f"torch.export could not capture the model: {first}{hint}") from exc
-    return Capture(exported, model, args, kwargs, *_placeholders(exported))
+    cap = Capture(exported, model, args, kwargs, *_placeholders(exported))
+    cap.sym_values = _data_dependent_sizes(exported)
+    return cap
+
+
+def _user_frame(exc: BaseException) -> str:
+    """' at file.py:12' for the innermost traceback frame outside torch/cauto, or ''."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if "/torch/" not in f.filename and "/cauto/" not in f.filename and "/transformers/" not in f.filename]
+    return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+
+
+def _data_dependent_sizes(exported: torch.export.ExportedProgram) -> dict:
+    """Map each unbacked size symbol to its size hint; CaptureError naming the op if none is given."""
+    from cauto.profiler.hints import current_hints
+
+    hints = current_hints()
+    values: dict = {}
+    for node in exported.graph.nodes:
+        bindings = node.meta.get("unbacked_bindings")
+        if not bindings:
+            continue
+        op = getattr(getattr(node.target, "_overloadpacket", None), "__name__", str(node.target))
+        value = hints.get(node.name, hints.get(op))
+        if value is None:
+            raise CaptureError(
+                f"{op} (node {node.name}) in module {module_path(node) or '<root>'!r} has a data-dependent output "
+                f"size; give it with cauto.profiler.size_hint({op}=N) or profile(..., size_hints={{{op!r}: N}}) "
+                f"(N = the expected number of selected elements/rows, or the value of .item()), "
+                f"or make the size static")
+        for sym in bindings:
+            values[sym] = value
+    return values
+
+
+def concrete_int(size, cap: Capture | None = None) -> int:
+    """An int for a (possibly symbolic) size, substituting data-dependent sizes by their hints."""
+    if isinstance(size, int):
+        return size
+    expr = size.node.expr
+    if cap is not None and cap.sym_values:
+        expr = expr.xreplace({k: v for k, v in cap.sym_values.items()})
+    return int(expr)
 
 
 def _strip(fqn: str) -> str:
@@ -247,8 +344,11 @@ def structure_nodes(cap: Capture) -> list[dict]:
     """Graph-document nodes with only their structural fields, in execution order."""
     nodes = []
     for node in cap.value_nodes():
-        outs = [{"shape": [int(s) for s in t.shape], "dtype": dtype_name(t.dtype), "bytes": tensor_bytes(t)}
-                for t in output_tensors(node)]
+        outs = []
+        for t in output_tensors(node):
+            shape = [concrete_int(s, cap) for s in t.shape]
+            outs.append({"shape": shape, "dtype": dtype_name(t.dtype),
+                         "bytes": math.prod(shape) * t.element_size()})
         entry: dict = {"id": node.name, "outputs": outs}
         if node.op == "placeholder":
             kind, target = cap.placeholders[node.name]

@@ -7,9 +7,9 @@ device: nothing here loads weights. Sizes are keyword arguments with small defau
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 
@@ -124,8 +124,10 @@ class GPTBlock(nn.Module):
 class GPT(nn.Module):
     """GPT-style decoder (nanoGPT shape): learned positions, LayerNorm, GELU MLP, tied head."""
 
-    def __init__(self, vocab: int = 256, dim: int = 64, layers: int = 2, heads: int = 4, seq: int = 32):
+    def __init__(self, vocab: int = 256, dim: int = 64, layers: int = 2, heads: int = 4, seq: int = 32,
+                 checkpoint: bool = False):
         super().__init__()
+        self.checkpoint = checkpoint
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(seq, dim)
         self.blocks = nn.ModuleList(GPTBlock(dim, heads) for _ in range(layers))
@@ -137,7 +139,7 @@ class GPT(nn.Module):
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.tok(idx) + self.pos(pos)
         for block in self.blocks:
-            x = block(x)
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if self.checkpoint else block(x)
         logits = self.head(self.ln_f(x))
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
@@ -196,8 +198,10 @@ def cnn(batch: int = 8, width: int = 16, blocks: int = 2, image: int = 16, class
     return ResNet(width, blocks, classes), (torch.randn(batch, 3, image, image), torch.randint(0, classes, (batch,)))
 
 
-def gpt(batch: int = 4, seq: int = 32, vocab: int = 256, dim: int = 64, layers: int = 2, heads: int = 4):
-    return GPT(vocab, dim, layers, heads, seq), _tokens(batch, seq, vocab)
+def gpt(batch: int = 4, seq: int = 32, vocab: int = 256, dim: int = 64, layers: int = 2, heads: int = 4,
+        checkpoint: bool = False):
+    """``checkpoint=True`` wraps every block in non-reentrant torch.utils.checkpoint."""
+    return GPT(vocab, dim, layers, heads, seq, checkpoint), _tokens(batch, seq, vocab)
 
 
 def llama(batch: int = 4, seq: int = 32, vocab: int = 256, dim: int = 64, layers: int = 2, heads: int = 4,
@@ -215,13 +219,22 @@ def _hf_tokens(batch: int, seq: int, vocab: int) -> dict:
     return {"input_ids": ids, "labels": torch.randint(0, vocab, (batch, seq))}
 
 
-def hf_gpt2(batch: int = 2, seq: int = 32, vocab: int = 256, dim: int = 64, layers: int = 2, heads: int = 4):
-    """Stock transformers GPT2LMHeadModel from a config (random init, dropout off)."""
+def hf_gpt2(batch: int = 2, seq: int = 32, vocab: int = 256, dim: int = 64, layers: int = 2, heads: int = 4,
+            checkpoint: bool = False):
+    """Stock transformers GPT2LMHeadModel from a config (random init, dropout off).
+
+    ``checkpoint=True`` turns on Hugging Face gradient checkpointing (non-reentrant)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(vocab_size=vocab, n_positions=max(seq, 32), n_embd=dim, n_layer=layers, n_head=heads,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    return GPT2LMHeadModel(config), _hf_tokens(batch, seq, vocab)
+    model = GPT2LMHeadModel(config)
+    if checkpoint:
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model, _hf_tokens(batch, seq, vocab)
 
 
 def hf_llama(batch: int = 2, seq: int = 32, vocab: int = 256, dim: int = 64, layers: int = 2, heads: int = 4,

@@ -5,7 +5,7 @@
     cauto-solve explain PLAN [--graph GRAPH]
 
 Bad input (invalid documents, a bad mesh, an unknown preset) exits with status 2 and one line on
-stderr; an infeasible memory budget exits 1 naming the least memory needed. No partial plan file
+stderr; an infeasible memory budget also exits 2, naming the least memory needed. No partial plan file
 is ever left behind (cauto.plan.dump writes atomically, and only after solving).
 """
 
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except InfeasibleBudgetError as exc:
         print(f"cauto-solve: {exc}", file=sys.stderr)
-        return 1
+        return 2
     except (SolverError, DocumentError, json.JSONDecodeError, OSError) as exc:
         print(f"cauto-solve: error: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,230 @@
+"""``cauto-profile TARGET``: profile a model factory symbolically and print what it costs.
+
+TARGET is ``path/to/file.py:fn`` or ``package.module:fn`` (e.g. ``cauto.profiler.zoo:gpt2_small``);
+``fn()`` returns ``(model, inputs)`` and is called on the meta device. Exit codes: 0 success,
+2 bad input (target not found, factory raising, real allocations in the factory, an op that
+cannot be captured or profiled). Tracebacks only with --debug; no output file unless everything
+succeeded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import inspect
+import json
+import sys
+from pathlib import Path
+
+EXIT_BAD_INPUT = 2
+
+
+class UsageError(Exception):
+    """Bad input the user can fix; printed without a traceback."""
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _fmt_flops(n: float) -> str:
+    for unit in ("", "K", "M", "G", "T", "P"):
+        if abs(n) < 1000 or unit == "P":
+            return f"{n:.3g} {unit}FLOP"
+        n /= 1000
+    return str(n)
+
+
+def load_target(target: str):
+    """The factory named by TARGET ('file.py:fn' or 'pkg.module:fn')."""
+    module_part, sep, attr = target.rpartition(":")
+    if not sep or not module_part or not attr:
+        raise UsageError(f"target {target!r} must look like path/to/file.py:function or package.module:function")
+    if module_part.endswith(".py") or "/" in module_part or Path(module_part).suffix == ".py":
+        path = Path(module_part)
+        if not path.is_file():
+            raise UsageError(f"file not found: {path}")
+        spec = importlib.util.spec_from_file_location(f"_cauto_target_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, str(path.resolve().parent))
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:
+            raise UsageError(f"importing {path} failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            sys.path.pop(0)
+    else:
+        try:
+            module = importlib.import_module(module_part)
+        except ModuleNotFoundError as exc:
+            raise UsageError(f"module not found: {module_part} ({exc})") from exc
+        except Exception as exc:
+            raise UsageError(f"importing {module_part} failed: {type(exc).__name__}: {exc}") from exc
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise UsageError(f"{module_part} has no attribute {attr!r}")
+    if not callable(fn):
+        raise UsageError(f"{target} is not callable")
+    return fn
+
+
+def _bind_sizes(fn, sizes: dict):
+    """Pass --batch/--seq to fn when it accepts them (or **kwargs); error when it does not."""
+    sizes = {k: v for k, v in sizes.items() if v is not None}
+    if not sizes:
+        return fn
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        params = {}
+    accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    unknown = [k for k in sizes if k not in params and not accepts_any]
+    if unknown:
+        raise UsageError(f"{getattr(fn, '__name__', fn)} takes no argument {unknown[0]!r} "
+                         f"(it accepts: {', '.join(params) or 'nothing'})")
+
+    def bound():
+        return fn(**sizes)
+
+    bound.__name__ = getattr(fn, "__name__", "model")
+    return bound
+
+
+def _parse_hints(items: list[str]) -> dict[str, int]:
+    hints = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not value.isdigit():
+            raise UsageError(f"--size-hint {item!r} must look like op=N (e.g. masked_select=4096)")
+        hints[name] = int(value)
+    return hints
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cauto-profile", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("target", help="path/to/file.py:fn or package.module:fn; fn() returns (model, inputs)")
+    p.add_argument("--json", action="store_true", help="print a JSON summary to stdout instead of tables")
+    p.add_argument("-o", "--output", metavar="GRAPH_JSON", help="write the cauto graph document here")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="memory model (default cpu)")
+    p.add_argument("--device-model", default=None, help="time model: cpu, a100, h100, h200 (default by --device)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="cast the model to this dtype")
+    p.add_argument("--autocast", choices=["bf16", "fp16"], default=None, help="run forward under autocast")
+    p.add_argument("--optimizer", choices=["adamw", "adam", "sgd", "none"], default="adamw")
+    p.add_argument("--batch", type=int, default=None, help="passed to fn as batch= if it accepts it")
+    p.add_argument("--seq", type=int, default=None, help="passed to fn as seq= if it accepts it")
+    p.add_argument("--steps", type=int, default=2, help="training steps to simulate (default 2)")
+    p.add_argument("--inference", action="store_true", help="forward only, under no_grad")
+    p.add_argument("--size-hint", action="append", default=[], metavar="OP=N",
+                   help="size of a data-dependent op's output (repeatable), see cauto.profiler.size_hint")
+    p.add_argument("--depth", type=int, default=2, help="module depth of the per-module table (default 2)")
+    p.add_argument("--plot", metavar="PNG", help="plot the memory timeline (needs matplotlib)")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    return p
+
+
+def _print_tables(prof, depth: int, out) -> None:
+    s = prof.summary()
+    print(f"model {prof.name}: {len(prof.nodes)} nodes, settings {json.dumps(prof.settings)}", file=out)
+    print(f"peak memory {_fmt_bytes(prof.peak_bytes)} ({prof.peak_bytes} bytes); model+inputs "
+          f"{_fmt_bytes(prof.baseline_bytes)}; FLOPs/step {_fmt_flops(prof.flops)}; "
+          f"est. time/step {prof.time_s * 1e3:.3f} ms on {prof.device_model.name}", file=out)
+    print("", file=out)
+    print(f"{'module':40s} {'nodes':>6s} {'fwd FLOP':>12s} {'bwd FLOP':>12s} {'saved':>12s} {'time ms':>10s}", file=out)
+    for r in prof.module_table(depth=depth):
+        name = r["module"] or "<model>"
+        print(f"{name[:40]:40s} {r['nodes']:6d} {_fmt_flops(r['fwd_flops']):>12s} {_fmt_flops(r['bwd_flops']):>12s} "
+              f"{_fmt_bytes(r['saved_bytes']):>12s} {r['time_s'] * 1e3:10.3f}", file=out)
+    print("", file=out)
+    print("timeline (peak live bytes per phase and step):", file=out)
+    for k, v in s["phase_steps"].items():
+        print(f"  {k:14s} {_fmt_bytes(v):>12s}", file=out)
+    if prof.peak_event:
+        i, phase, node, live = prof.peak_event
+        print(f"peak at event {i} of {len(prof.timeline)}: {phase}, node {node}, {_fmt_bytes(live)}", file=out)
+
+
+def _plot(prof, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise UsageError("--plot needs matplotlib (pip install 'cauto-profiler[plot]')") from exc
+    xs = [e[0] for e in prof.timeline]
+    ys = [e[3] / 2**20 for e in prof.timeline]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ax.plot(xs, ys, lw=0.8)
+    ax.set_xlabel("allocation event")
+    ax.set_ylabel("live MiB")
+    ax.set_title(f"{prof.name}: peak {_fmt_bytes(prof.peak_bytes)}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # every failure is reported in one line; the traceback only with --debug
+        if args.debug:
+            raise
+        from cauto.profiler.capture import CaptureError
+
+        kind = "cannot capture/profile the model" if isinstance(exc, CaptureError) else "error"
+        if isinstance(exc, UsageError):
+            kind = "error"
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"cauto-profile: {kind}: {msg}", file=sys.stderr)
+        if not isinstance(exc, (UsageError, CaptureError)):
+            print("cauto-profile: rerun with --debug for the traceback", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+def _run(args) -> int:
+    import torch
+    from cauto.profiler.capture import CaptureError
+    from cauto.profiler.symbolic import profile
+
+    fn = _bind_sizes(load_target(args.target), {"batch": args.batch, "seq": args.seq})
+    hints = _parse_hints(args.size_hint)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.dtype]
+
+    def factory():
+        try:
+            return fn()
+        except CaptureError:
+            raise
+        except Exception as exc:
+            raise UsageError(f"the factory {args.target} raised {type(exc).__name__}: {exc}") from exc
+
+    factory.__name__ = getattr(fn, "__name__", "model")
+    prof = profile(factory, train=not args.inference, optimizer=args.optimizer, device=args.device, dtype=dtype,
+                   autocast=args.autocast, steps=args.steps, device_model=args.device_model, size_hints=hints)
+    doc = prof.to_graph() if args.output else None  # build (and validate) before writing anything
+    if args.plot:
+        _plot(prof, args.plot)
+    if doc is not None:
+        from cauto.plan import dump
+
+        dump(doc, args.output)
+    if args.json:
+        print(json.dumps(prof.summary(), indent=1))
+    else:
+        _print_tables(prof, args.depth, sys.stdout)
+        if args.output:
+            print(f"\nwrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
