@@ -85,3 +85,10 @@ def test_explain_and_run_refuse_malformed_plan(cauto, tmp_path):
     assert res.returncode == 2 and "9.0" in res.stderr
     res = cauto("run", TARGET, "--plan", str(tmp_path / "none.json"), "--nproc", "2")
     assert res.returncode == 2 and "not found" in res.stderr
+
+
+def test_codegen_refuses_a_plan_for_another_model(artifacts, cauto, tmp_path):
+    out, _, _ = artifacts
+    res = cauto("codegen", str(out / "plan.json"), "--target", TARGET, "--batch", "16", "-o", str(tmp_path / "x.py"))
+    assert res.returncode == 2 and "profile and solve again" in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "x.py").exists()

@@ -10,18 +10,12 @@ succeeded.
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
-import inspect
 import json
 import sys
-from pathlib import Path
+
+from cauto.profiler.target import UsageError, bind_sizes, load_target
 
 EXIT_BAD_INPUT = 2
-
-
-class UsageError(Exception):
-    """Bad input the user can fix; printed without a traceback."""
 
 
 def _fmt_bytes(n: float) -> str:
@@ -38,61 +32,6 @@ def _fmt_flops(n: float) -> str:
             return f"{n:.3g} {unit}FLOP"
         n /= 1000
     return str(n)
-
-
-def load_target(target: str):
-    """The factory named by TARGET ('file.py:fn' or 'pkg.module:fn')."""
-    module_part, sep, attr = target.rpartition(":")
-    if not sep or not module_part or not attr:
-        raise UsageError(f"target {target!r} must look like path/to/file.py:function or package.module:function")
-    if module_part.endswith(".py") or "/" in module_part or Path(module_part).suffix == ".py":
-        path = Path(module_part)
-        if not path.is_file():
-            raise UsageError(f"file not found: {path}")
-        spec = importlib.util.spec_from_file_location(f"_cauto_target_{path.stem}", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.path.insert(0, str(path.resolve().parent))
-        try:
-            spec.loader.exec_module(module)
-        except Exception as exc:
-            raise UsageError(f"importing {path} failed: {type(exc).__name__}: {exc}") from exc
-        finally:
-            sys.path.pop(0)
-    else:
-        try:
-            module = importlib.import_module(module_part)
-        except ModuleNotFoundError as exc:
-            raise UsageError(f"module not found: {module_part} ({exc})") from exc
-        except Exception as exc:
-            raise UsageError(f"importing {module_part} failed: {type(exc).__name__}: {exc}") from exc
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise UsageError(f"{module_part} has no attribute {attr!r}")
-    if not callable(fn):
-        raise UsageError(f"{target} is not callable")
-    return fn
-
-
-def _bind_sizes(fn, sizes: dict):
-    """Pass --batch/--seq to fn when it accepts them (or **kwargs); error when it does not."""
-    sizes = {k: v for k, v in sizes.items() if v is not None}
-    if not sizes:
-        return fn
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        params = {}
-    accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    unknown = [k for k in sizes if k not in params and not accepts_any]
-    if unknown:
-        raise UsageError(f"{getattr(fn, '__name__', fn)} takes no argument {unknown[0]!r} "
-                         f"(it accepts: {', '.join(params) or 'nothing'})")
-
-    def bound():
-        return fn(**sizes)
-
-    bound.__name__ = getattr(fn, "__name__", "model")
-    return bound
 
 
 def _parse_hints(items: list[str]) -> dict[str, int]:
@@ -195,7 +134,7 @@ def _run(args) -> int:
     from cauto.profiler.capture import CaptureError
     from cauto.profiler.symbolic import profile
 
-    fn = _bind_sizes(load_target(args.target), {"batch": args.batch, "seq": args.seq})
+    fn = bind_sizes(load_target(args.target), {"batch": args.batch, "seq": args.seq})
     hints = _parse_hints(args.size_hint)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.dtype]
 

@@ -8,20 +8,12 @@ anywhere; it is the same code ``apply`` executes on each rank.
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from pathlib import Path
 
-
-def load_target(spec: str):
-    """The factory named by "pkg.module:fn" (a callable returning (model, inputs))."""
-    module_name, _, attr = spec.partition(":")
-    if not attr:
-        raise SystemExit(f"--target {spec!r}: expected 'package.module:function'")
-    try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise SystemExit(f"--target {spec!r}: {exc}") from None
+from cauto.plan import DocumentError, MismatchError
+from cauto.profiler.capture import CaptureError
+from cauto.profiler.target import UsageError, bind_sizes, load_target
 
 
 def generate(target, plan_path: str) -> str:
@@ -54,12 +46,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("plan", help="plan.json written by the solver")
     parser.add_argument("--target", required=True, help="model factory, e.g. cauto.profiler.zoo:gpt")
     parser.add_argument("-o", "--output", default="-", help="output file ('-': stdout)")
+    parser.add_argument("--batch", type=int, help="passed to the factory as batch= (as for cauto-profile)")
+    parser.add_argument("--seq", type=int, help="passed to the factory as seq= (as for cauto-profile)")
     args = parser.parse_args(argv)
-    source = generate(load_target(args.target), args.plan)
+    try:
+        fn = bind_sizes(load_target(args.target), {"batch": args.batch, "seq": args.seq})
+        source = generate(fn, args.plan)
+    except (UsageError, DocumentError, MismatchError, CaptureError, ValueError) as exc:
+        print(f"cauto-codegen: error: {exc}", file=sys.stderr)
+        return 2
     if args.output == "-":
         sys.stdout.write(source)
     else:
-        Path(args.output).write_text(source)
+        tmp = Path(args.output + ".tmp")
+        tmp.write_text(source)
+        tmp.replace(args.output)
         print(f"wrote {args.output} ({len(source.splitlines())} lines)")
     return 0
 

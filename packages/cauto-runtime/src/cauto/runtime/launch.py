@@ -24,6 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=120.0, help="collective timeout")
     parser.add_argument("--verify", action="store_true", help="print predicted vs executed collectives and peak memory")
+    parser.add_argument("--batch", type=int, help="passed to the factory as batch= (as for cauto-profile)")
+    parser.add_argument("--seq", type=int, help="passed to the factory as seq= (as for cauto-profile)")
     args = parser.parse_args(argv)
 
     import torch
@@ -31,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     from cauto.plan import load_plan
     from cauto.profiler.capture import split_inputs
     from cauto.runtime.apply import apply
-    from cauto.runtime.codegen_cli import load_target
+    from cauto.profiler.target import bind_sizes, load_target
     from cauto.runtime.dist_utils import init_distributed, make_mesh
     from cauto.runtime.verify import format_report, verify_step
 
@@ -41,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         rank = dist.get_rank()
         plan = load_plan(args.plan)
         mesh = make_mesh(plan.mesh["shape"], plan.mesh["axis_names"])
-        fn = load_target(args.target)
+        fn = bind_sizes(load_target(args.target), {"batch": args.batch, "seq": args.seq})
         model = apply(fn, plan, mesh, seed=args.seed)
         torch.manual_seed(args.seed)
         with torch.device("cpu"):

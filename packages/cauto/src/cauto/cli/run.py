@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, required=True, help="processes on this host (= mesh size per host)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--verify", action="store_true", help="print predicted vs measured collectives and peak")
+    parser.add_argument("--batch", type=int, help="passed to the factory as batch= (as for `cauto profile`)")
+    parser.add_argument("--seq", type=int, help="passed to the factory as seq= (as for `cauto profile`)")
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
@@ -48,4 +50,5 @@ def main(argv: list[str] | None = None) -> int:
     if args.nproc < 1:
         print("cauto run: --nproc must be at least 1", file=sys.stderr)
         return 2
-    return subprocess.call(torchrun_command(args.target, args.plan, args.nproc, args.steps, args.verify, extra))
+    sizes = [f"--{k}={v}" for k, v in (("batch", args.batch), ("seq", args.seq)) if v is not None]
+    return subprocess.call(torchrun_command(args.target, args.plan, args.nproc, args.steps, args.verify, extra, sizes))

@@ -1,0 +1,87 @@
+"""autoparallelize(): one call from a model builder to a parallel module; plans cached on disk."""
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import cauto.api.autoparallel as ap
+from cauto.api import PlanCache, plan_for
+from cauto.api.autoparallel import factory_of
+from cauto.profiler.zoo import MLP
+
+
+def _factory():
+    return factory_of(lambda: MLP(16, 32, 2), (torch.randn(8, 16), torch.randn(8, 16)))
+
+
+def test_second_plan_comes_from_the_cache_without_profiling(tmp_path, monkeypatch):
+    cache = PlanCache(tmp_path)
+    first = plan_for(_factory(), (2,), cache=cache)
+    assert len(list(tmp_path.glob("plan-*.json"))) == 1
+
+    def no_profiling(*args, **kwargs):
+        raise AssertionError("a cached plan must not be profiled again")
+
+    monkeypatch.setattr(ap, "profile", no_profiling)
+    again = plan_for(_factory(), (2,), cache=cache)
+    assert again == first
+    with pytest.raises(AssertionError, match="cached plan"):  # other options are another plan
+        plan_for(_factory(), (2,), cache=cache, memory_budget="1GiB")
+
+
+def test_a_corrupt_cache_entry_is_solved_again(tmp_path):
+    cache = PlanCache(tmp_path)
+    plan_for(_factory(), (2,), cache=cache)
+    (entry,) = tmp_path.glob("plan-*.json")
+    entry.write_text('{"kind": "plan", "schema_version": "1.0"')
+    plan = plan_for(_factory(), (2,), cache=cache)
+    assert plan["kind"] == "plan"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+WORKER = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist
+    from datetime import timedelta
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    from cauto.api import autoparallelize
+    from cauto.profiler.zoo import MLP
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 64), torch.randn(8, 64)
+    ref = MLP(64, 256, 2)
+    state = {k: v.clone() for k, v in ref.state_dict().items()}
+    model = autoparallelize(lambda: MLP(64, 256, 2), (x, y), (dist.get_world_size(),), memory_budget="400KiB",
+                            state_dict=state, cache_dir=sys.argv[1])
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    for step in range(3):
+        loss, ref_loss = model(x, y), ref(x, y)
+        for l, o in ((loss, opt), (ref_loss, ref_opt)):
+            l.backward(); o.step(); o.zero_grad()
+        assert abs(float(loss) - float(ref_loss)) < 1e-5, (step, float(loss), float(ref_loss))
+    sharded = [p for p in model.plan.params.values() if any(x != "R" for x in p["placements"])]
+    assert sharded, "model state is 529 KiB: a 400 KiB budget must shard some parameter"
+    if dist.get_rank() == 0:
+        print("OK", len(sharded), model.predictions["peak_bytes"])
+    dist.destroy_process_group()
+""")
+
+
+def test_two_ranks_train_like_one_process_under_a_tight_budget(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          f"--master-port={_free_port()}", str(script), str(tmp_path / "cache")],
+                         capture_output=True, text=True, timeout=240, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "OK" in res.stdout
