@@ -242,7 +242,7 @@ def test_torchrun_launch_and_failing_ranks(tmp_path):
 
     ok = torchrun(good)
     assert ok.returncode == 0, ok.stderr[-3000:]
-    assert "step 1 loss" in ok.stdout and "cauto verify" in ok.stdout and "forward" in ok.stdout
+    assert "step 2/2 loss" in ok.stdout and "cauto verify" in ok.stdout and "forward" in ok.stdout
     failed = torchrun(bad)
     assert failed.returncode != 0
     assert "world size" in failed.stderr

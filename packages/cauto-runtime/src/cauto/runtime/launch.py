@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             opt.step()
             opt.zero_grad()
             if rank == 0:
-                print(f"step {step} loss {loss.item():.5f} time {time.perf_counter() - start:.3f} s", flush=True)
+                print(f"step {step + 1}/{args.steps} loss {loss.item():.5f} time {time.perf_counter() - start:.3f} s", flush=True)
         if args.verify:
             print(format_report(verify_step(model, inputs, opt), rank), flush=True)
         dist.barrier()

@@ -16,21 +16,29 @@ USAGE = __doc__
 
 
 def _profile(argv: list[str]) -> int:
+    from cauto.cli.progress import progress
     from cauto.profiler.cli import main
 
-    return main(argv)
+    with progress("profiling (capture + symbolic training step)"):
+        return main(argv)
 
 
 def _plan(argv: list[str]) -> int:
+    from cauto.cli.progress import progress
     from cauto.solver.cli import main
 
-    return main(argv)
+    if argv and argv[0] == "explain":
+        return main(argv)
+    with progress("planning (strategies, costs, ILP)"):
+        return main(argv)
 
 
 def _codegen(argv: list[str]) -> int:
+    from cauto.cli.progress import progress
     from cauto.runtime.codegen_cli import main
 
-    return main(argv)
+    with progress("generating the parallel code"):
+        return main(argv)
 
 
 def _run(argv: list[str]) -> int:
