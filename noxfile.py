@@ -8,10 +8,10 @@ the CPU build on local disk).
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 
 import nox
+import tomllib
 
 ROOT = Path(__file__).parent
 CONSTRAINTS = str(ROOT / "tools" / "constraints.txt")

@@ -16,10 +16,11 @@ import pytest
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
-from cauto.solver.reshard import reshard  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard  # noqa: E402
 from torch.distributed.tensor.debug import CommDebugMode  # noqa: E402
+
+from cauto.solver.reshard import reshard  # noqa: E402
 
 WORLD = 4
 SHAPE = (8, 8, 4)

@@ -24,6 +24,8 @@ import statistics
 import time
 
 import numpy as np
+from results_md import replace_section  # tools/bench/, next to this script
+
 from cauto.solver.checkpoint.api import choose_schedule
 from cauto.solver.checkpoint.chen import chen_grid
 from cauto.solver.checkpoint.joint import device_dict, ilp_sharding, joint_plan
@@ -31,7 +33,6 @@ from cauto.solver.checkpoint.rotor import least_memory, solve_rotor
 from cauto.solver.checkpoint.schedule import store_all, to_ops
 from cauto.solver.checkpoint.simulate import simulate
 from cauto.solver.checkpoint.synthetic import gpt_graph, random_chain, synthetic_sharding
-from results_md import replace_section  # tools/bench/, next to this script
 
 MIB = 1 << 20
 

@@ -20,6 +20,7 @@ import statistics
 import time
 
 import torch
+
 from cauto.profiler.zoo import gpt
 from cauto.runtime.chunks import wrap
 

@@ -63,6 +63,7 @@ def _factory(name: str, kwargs: dict):
 
 def accuracy() -> list[str]:
     import torch
+
     from cauto.profiler import profile
     from cauto.profiler.ground_truth import measure
 

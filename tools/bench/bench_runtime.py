@@ -50,10 +50,11 @@ def make_cauto_plan(args, fn) -> tuple[str, str]:
         return path, "cauto-solver (cpu-gloo preset, no memory budget)"
     except Exception as exc:  # the solver is optional here; say why it was not used
         import torch.distributed as dist
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
         from cauto.profiler import capture
         from cauto.runtime.dist_utils import make_mesh
         from cauto.runtime.handplan import make_plan
-        from torch.testing._internal.distributed.fake_pg import FakeStore
         print(f"solver plan unavailable ({type(exc).__name__}: {str(exc)[:120]}); using a hand-made DP plan",
               file=sys.stderr)
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
@@ -64,10 +65,11 @@ def make_cauto_plan(args, fn) -> tuple[str, str]:
 
 def build_all(args, mesh):
     import torch.distributed as dist
-    from cauto.runtime.apply import apply
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from torch.nn.parallel import DistributedDataParallel
+
+    from cauto.runtime.apply import apply
 
     fn = factory(args)
     rank = dist.get_rank()
@@ -96,6 +98,7 @@ def build_all(args, mesh):
 
 def worker(args) -> None:
     import torch.distributed as dist
+
     from cauto.runtime.dist_utils import make_mesh
     from cauto.runtime.verify import allocation_peak, live_state_bytes, verify_step
 

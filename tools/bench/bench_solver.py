@@ -27,11 +27,12 @@ sys.path.insert(0, HERE)
 for pkg in ("cauto-plan", "cauto-solver"):
     sys.path.insert(0, os.path.join(ROOT, "packages", pkg, "src"))
 
+from results_md import replace_section  # noqa: E402
+
 from cauto.plan import GraphDocument, check_document  # noqa: E402
 from cauto.solver import synthetic  # noqa: E402
 from cauto.solver.cluster import cluster_for_mesh  # noqa: E402
 from cauto.solver.solve import solve  # noqa: E402
-from results_md import replace_section  # noqa: E402
 
 CASES = [
     ("GPT-2 small (12 x 768), batch 8 x 1024", lambda: synthetic.gpt(batch=8, seq=1024, hidden=768, heads=12,

@@ -19,6 +19,7 @@ import time
 import traceback
 
 import torch
+
 from cauto.profiler.zoo import gpt
 from cauto.runtime.chunks import BudgetError, wrap
 

@@ -22,6 +22,7 @@ for src in sorted((ROOT / "packages").glob("*/src")):
     sys.path.insert(0, str(src))
 
 import torch  # noqa: E402
+
 from cauto.profiler import profile, zoo  # noqa: E402
 from cauto.profiler.capture import LossWrapper, split_inputs  # noqa: E402
 from cauto.profiler.training import cast_inputs, make_optimizer, run_steps  # noqa: E402

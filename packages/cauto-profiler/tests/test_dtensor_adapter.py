@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from cauto.profiler.dtensor_adapter import fake_mesh, placement_is, sharded_call, to_dtensor
 from torch.distributed.tensor import Partial, Replicate, Shard
+
+from cauto.profiler.dtensor_adapter import fake_mesh, placement_is, sharded_call, to_dtensor
 
 torch.set_num_threads(1)
 

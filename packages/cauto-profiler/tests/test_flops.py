@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
+
 from cauto.profiler import profile, zoo
 from cauto.profiler.capture import LossWrapper, split_inputs
 from cauto.profiler.devices import H100, get_device_model
-from torch.utils.flop_counter import FlopCounterMode
 
 
 def _real_flops(fn) -> int:

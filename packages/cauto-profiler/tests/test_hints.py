@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cauto.profiler import CaptureError, profile, size_hint
 from torch import nn
+
+from cauto.profiler import CaptureError, profile, size_hint
 
 
 class Select(nn.Module):

@@ -20,16 +20,17 @@ import torch.distributed as dist
 import torch.fx
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
 from cauto.plan import Labels
 from cauto.plan.schema import load_schema
 from cauto.profiler.capture import capture, output_tensors, tensor_inputs
 from cauto.profiler.dtensor_adapter import fake_mesh, placement_is, sharded_call, to_dtensor
 from cauto.profiler.labels import NEVER, family_of, labels_for
 from cauto.profiler.zoo import ZOO
-from torch import nn
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.experimental import implicit_replication
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.filterwarnings("ignore:DTensor random operators may not have complete support")

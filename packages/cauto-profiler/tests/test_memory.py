@@ -6,6 +6,7 @@ import functools
 
 import pytest
 import torch
+
 from cauto.profiler import profile, zoo
 from cauto.profiler.ground_truth import measure
 

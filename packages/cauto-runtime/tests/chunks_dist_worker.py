@@ -14,9 +14,10 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
+
 from cauto.profiler.zoo import gpt
 from cauto.runtime.chunks import load_checkpoint, save_checkpoint, wrap
-from torch import nn
 
 STEPS = 5
 

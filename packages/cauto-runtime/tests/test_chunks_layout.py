@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from torch import nn
+
 from cauto.runtime.chunks import (
     Arena,
     BudgetError,
@@ -11,7 +13,6 @@ from cauto.runtime.chunks import (
     parse_bytes,
     search_chunk_elems,
 )
-from torch import nn
 
 
 def test_search_picks_least_padding():

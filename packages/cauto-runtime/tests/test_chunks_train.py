@@ -10,9 +10,10 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from cauto.profiler.zoo import gpt, mlp
 from cauto.runtime.chunks import chunk_module, load_checkpoint, save_checkpoint, wrap
-from torch import nn
 
 STEPS = 5
 

@@ -56,11 +56,12 @@ def assert_collectives(result: dict, name: str, plan: dict):
 # --- one process -------------------------------------------------------------------------------------
 
 def test_refuses_other_graph_and_mesh():
+    from torch.distributed.device_mesh import DeviceMesh
+
     from cauto.plan import MismatchError
     from cauto.profiler import zoo
     from cauto.runtime.apply import apply
     from cauto.runtime.dist_utils import make_mesh
-    from torch.distributed.device_mesh import DeviceMesh
     plan = plan_for("mlp", KW["mlp"], (2,), ["dp"], inputs="S(0)")
     mesh = make_mesh((2,), ["dp"])
     with pytest.raises(MismatchError, match="solve again"):

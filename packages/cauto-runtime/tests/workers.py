@@ -25,10 +25,11 @@ def _factory(job):
 
 
 def run_job(job: dict, mesh, captures: dict) -> dict:
+    from torch.distributed.tensor.debug import CommDebugMode
+
     from cauto.profiler.capture import capture, loss_of, split_inputs
     from cauto.runtime.apply import apply
     from cauto.runtime.verify import executed_counts
-    from torch.distributed.tensor.debug import CommDebugMode
 
     fn = _factory(job)
     key = (job["model"], json.dumps(job["kwargs"], sort_keys=True))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from cauto.solver.cluster import AxisLink, DeviceSpec, HardwareSpec, cluster_for_mesh
 
 #: a device where each collective and kernel costs at least 100 us (DTensor dispatch on a CPU)

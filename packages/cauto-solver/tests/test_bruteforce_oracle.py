@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+
 from cauto.plan import GraphDocument
 from cauto.solver import synthetic
 from cauto.solver.cluster import AxisLink, DeviceSpec, HardwareSpec

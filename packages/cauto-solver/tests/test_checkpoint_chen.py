@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from cauto.solver.checkpoint.chain import Chain
 from cauto.solver.checkpoint.chen import chen_grid, chen_schedule, solve_chen
 from cauto.solver.checkpoint.rotor import solve_rotor

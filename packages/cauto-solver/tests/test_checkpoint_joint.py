@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from cauto.solver.checkpoint.joint import (
     ShardingResult,
     attach_checkpoint,

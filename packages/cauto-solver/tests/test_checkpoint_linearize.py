@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from cauto.plan import validate
 from cauto.solver.checkpoint.linearize import build_chain
 from cauto.solver.checkpoint.synthetic import gpt_graph

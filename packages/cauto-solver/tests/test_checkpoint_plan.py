@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jsonschema
 import pytest
+
 from cauto.plan.schema import load_schema
 from cauto.solver.checkpoint.api import (
     CheckpointInfeasibleError,

@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+
 from cauto.solver.checkpoint.chain import Chain
 from cauto.solver.checkpoint.rotor import RotorTable, least_memory, solve_rotor
 from cauto.solver.checkpoint.schedule import Region, Stored, regions_of, stages_of, store_all, to_ops

@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from cauto.plan import check_document
 from cauto.solver import synthetic
 from cauto.solver.cli import main, parse_bytes

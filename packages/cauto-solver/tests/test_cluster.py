@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+
 from cauto.solver.cluster import (
     PRESETS,
     HardwareSpec,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+
 from cauto.solver import synthetic
 from cauto.solver.cluster import AxisLink, DeviceSpec, HardwareSpec
 from cauto.solver.errors import InfeasibleBudgetError
@@ -63,9 +64,10 @@ def test_tight_memory_shards_parameters_and_optimizer_state(make_cluster):
     free = solve(graph, cluster)
     assert set(_op_nodes(graph, free, "fc")) == {"b@dp"}
     assert _sharded_param_fraction(graph, free) < 0.1
-    # ZeRO shards parameters, gradients and AdamW state, but each gathered parameter copy is saved for
-    # backward (memory.py), so at most 8 of 16 bytes per parameter go away: 0.75 leaves room for that
-    budget = int(free["predictions"]["peak_bytes"] * 0.75)
+    # ZeRO shards parameters and AdamW state (gradients are not live at the backward-start peak), but
+    # each gathered parameter copy is saved for backward (memory.py): at 0.8 ZeRO suffices, while below
+    # about 0.75 splitting the MLP's activations (tensor parallel) becomes the cheaper way to fit
+    budget = int(free["predictions"]["peak_bytes"] * 0.8)
     tight = solve(graph, cluster, memory_budget=budget)
     assert tight["predictions"]["peak_bytes"] <= budget
     assert _sharded_param_fraction(graph, tight) > 0.85

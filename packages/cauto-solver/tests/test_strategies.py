@@ -58,7 +58,6 @@ def test_placeholders():
 
 def test_nested_splits_only_where_dtensor_runs_them():
     from cauto.plan import GraphNode, Labels, TensorMeta
-
     from cauto.solver.strategies import op_strategies
 
     def node(rule, ins, outs, in_shapes, out_shape):

@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
-from cauto.plan import graph_fingerprint
 from torch.export.graph_signature import InputKind
+
+from cauto.plan import graph_fingerprint
 
 ModelFactory = Callable[[], tuple[torch.nn.Module, object]]
 

@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args) -> int:
     import torch
+
     from cauto.profiler.capture import CaptureError
     from cauto.profiler.symbolic import profile
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.utils._pytree as pytree
+
 from cauto.profiler.capture import LossWrapper, split_inputs
 from cauto.profiler.training import cast_inputs, make_optimizer, run_steps, unique_storage_bytes
 

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 import torch.fx
+
 from cauto.profiler.capture import output_tensors, tensor_inputs
 
 LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"

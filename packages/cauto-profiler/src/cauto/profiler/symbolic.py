@@ -30,10 +30,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
-from cauto.profiler.capture import Capture, CaptureError, capture, concrete_int, module_path, output_tensors
-from cauto.profiler.devices import DeviceModel, get_device_model
-from cauto.profiler.hints import current_hints, size_hint
-from cauto.profiler.training import OPTIMIZERS, make_optimizer, run_steps, unique_storage_bytes, with_dtype
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -41,6 +37,11 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from cauto.profiler.capture import Capture, CaptureError, capture, concrete_int, module_path, output_tensors
+from cauto.profiler.devices import DeviceModel, get_device_model
+from cauto.profiler.hints import current_hints, size_hint
+from cauto.profiler.training import OPTIMIZERS, make_optimizer, run_steps, unique_storage_bytes, with_dtype
 
 _AUTOCAST = {None: None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
              "float16": torch.float16}

@@ -13,6 +13,9 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
 from cauto.plan import MismatchError, PlanDocument, load_plan
 from cauto.profiler.capture import Capture, capture
 from cauto.runtime import execute
@@ -20,8 +23,6 @@ from cauto.runtime.dist_utils import local_slices, to_placements
 from cauto.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradSync
 from cauto.runtime.materialize import build_skeleton, materialize
 from cauto.runtime.propagate import propagate
-from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 
 class PlanMismatchError(MismatchError):

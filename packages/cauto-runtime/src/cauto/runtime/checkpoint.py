@@ -14,6 +14,7 @@ import operator
 
 import torch
 import torch.fx
+
 from cauto.runtime.ops import checkpointed
 
 

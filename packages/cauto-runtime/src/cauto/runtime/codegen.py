@@ -10,6 +10,7 @@ mesh axis) and each redistribution's collectives.
 from __future__ import annotations
 
 import torch.fx
+
 from cauto.runtime.dist_utils import placements_text
 
 

@@ -20,13 +20,14 @@ def generate(target, plan_path: str) -> str:
     """Source of the parallel forward of ``target`` under the plan at ``plan_path``."""
     import torch
     import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
     from cauto.plan import load_plan
     from cauto.profiler.capture import capture
     from cauto.runtime import execute
     from cauto.runtime.apply import check_fits
     from cauto.runtime.codegen import render
     from cauto.runtime.dist_utils import make_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     plan = load_plan(plan_path)
     world = 1

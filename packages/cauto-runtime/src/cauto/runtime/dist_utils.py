@@ -13,9 +13,10 @@ import socket
 
 import torch
 import torch.distributed as dist
-from cauto.plan import format_placement, parse_placement
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from cauto.plan import format_placement, parse_placement
 
 #: collective timeout of every process group the runtime creates: a dead rank ends the job, never hangs it
 DEFAULT_TIMEOUT_S = 300.0

@@ -29,13 +29,14 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 import torch.utils.checkpoint
+from torch.distributed.device_mesh import DeviceMesh
+from torch.fx.graph_module import _forward_from_src
+
 from cauto.plan import PlanDocument
 from cauto.profiler.capture import _SKIPPED_TARGETS, Capture, output_tensors, tensor_inputs
 from cauto.runtime import ops
 from cauto.runtime.collectives import describe, edge_collectives
 from cauto.runtime.propagate import Propagation
-from torch.distributed.device_mesh import DeviceMesh
-from torch.fx.graph_module import _forward_from_src
 
 
 @dataclass
@@ -110,6 +111,9 @@ def build(cap: Capture, plan: PlanDocument, mesh: DeviceMesh, device: torch.devi
     if propagation is not None:
         result.hidden = dict(propagation.hidden)
     planned_edges = {(e["src"], e["dst"], e["arg"]) for e in plan.edges}
+    #: values whose gradient the plan reduces once, before their producer's backward (see ops.reduce_grad)
+    reduced = {c["where"][len("grad of "):] for c in plan.predictions.get("collectives", [])
+               if c.get("phase") == "backward" and str(c.get("where", "")).startswith("grad of ")}
     nodes_plan = plan.nodes
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     with graph.inserting_after(placeholders[-1]):
@@ -159,7 +163,8 @@ def build(cap: Capture, plan: PlanDocument, mesh: DeviceMesh, device: torch.devi
                 local.add(node)
             elif parent.name in nodes_plan:
                 placement[node] = planned(parent.name, "outputs")[index]
-                _fix_mismatch(graph, node, parent.name, index, placement, mesh_node, propagation, result)
+                last = _fix_mismatch(graph, node, parent.name, index, placement, mesh_node, propagation, result)
+                _reduce_grad(graph, last, parent.name, f"{parent.name}#{index}" in reduced, placement, mesh_node)
             continue
         tins = tensor_inputs(node)
         if all(a in local for a in tins):
@@ -200,7 +205,8 @@ def build(cap: Capture, plan: PlanDocument, mesh: DeviceMesh, device: torch.devi
             node.meta["cauto_comment"] += f"  (DTensor redistributes inside: {inside})"
         if len(output_tensors(node)) == 1 and not _is_container(node):
             placement[node] = outs[0]
-            _fix_mismatch(graph, node, node.name, 0, placement, mesh_node, propagation, result)
+            last = _fix_mismatch(graph, node, node.name, 0, placement, mesh_node, propagation, result)
+            _reduce_grad(graph, last, node.name, node.name in reduced, placement, mesh_node)
 
     (output,) = [n for n in graph.nodes if n.op == "output"]
     loss = pytree.tree_leaves(output.args)[0]
@@ -231,19 +237,32 @@ def _ref(node: torch.fx.Node) -> str:
     return node.name
 
 
-def _fix_mismatch(graph, node, node_id, index, placement, mesh_node, propagation, result) -> None:
-    """After ``node`` (output ``index`` of ``node_id``): redistribute if DTensor's choice is not the plan's."""
-    if propagation is None:
-        return
-    if node_id in propagation.failed:
-        result.unchecked[node_id] = propagation.failed[node_id]
-        return
-    natural = propagation.outputs.get(node_id)
-    if natural is None or index >= len(natural):
+def _reduce_grad(graph, node, owner, wanted, placement, mesh_node) -> None:
+    """After ``node``: reduce its summed gradient to its placement in backward (ops.reduce_grad) if ``wanted``."""
+    if not wanted or not node.users:
         return
     want = placement[node]
+    new = _insert(graph, node, False, ops.reduce_grad, (node, mesh_node, want), node, owner,
+                  f"gradient: Partial sum of its consumers' gradients reduced to {want}")
+    node.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new)
+    placement[new] = want
+
+
+def _fix_mismatch(graph, node, node_id, index, placement, mesh_node, propagation, result) -> torch.fx.Node:
+    """After ``node`` (output ``index`` of ``node_id``): redistribute if DTensor's choice is not the plan's.
+
+    Returns the node that now holds the value (``node``, or the redistribution after it)."""
+    if propagation is None:
+        return node
+    if node_id in propagation.failed:
+        result.unchecked[node_id] = propagation.failed[node_id]
+        return node
+    natural = propagation.outputs.get(node_id)
+    if natural is None or index >= len(natural):
+        return node
+    want = placement[node]
     if natural[index] == want:
-        return
+        return node
     fix = _insert(graph, node, False, ops.redistribute, (node, mesh_node, want), node, node_id,
                   f"MISMATCH: DTensor gives {describe(natural[index], want)} (plan says {want})")
     node.replace_all_uses_with(fix, delete_user_cb=lambda u: u is not fix)
@@ -251,6 +270,7 @@ def _fix_mismatch(graph, node, node_id, index, placement, mesh_node, propagation
     result.mismatches[node_id if index == 0 else f"{node_id}#{index}"] = (want, natural[index])
     result.redistributions.append(Redistribution(node_id, node_id, index, natural[index], want, _nbytes(node),
                                                  "mismatch"))
+    return fix
 
 
 _ASSIGN = re.compile(r"^    (\w+) = ")

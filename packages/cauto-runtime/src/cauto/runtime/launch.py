@@ -30,10 +30,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
     import torch.distributed as dist
+
     from cauto.plan import load_plan
     from cauto.profiler.capture import split_inputs
-    from cauto.runtime.apply import apply
     from cauto.profiler.target import bind_sizes, load_target
+    from cauto.runtime.apply import apply
     from cauto.runtime.dist_utils import init_distributed, make_mesh
     from cauto.runtime.verify import format_report, verify_step
 

@@ -23,10 +23,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from cauto.runtime.dist_utils import local_slices, to_placements
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
+
+from cauto.runtime.dist_utils import local_slices, to_placements
 
 
 def build_skeleton(fn: Callable) -> tuple[nn.Module, object, dict[int, float | None]]:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import torch
 import torch.utils.checkpoint
-from cauto.runtime.dist_utils import local_slices, placements_text, to_placements
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils._python_dispatch import _disable_current_modes
+
+from cauto.runtime.dist_utils import local_slices, placements_text, to_placements
 
 
 def redistribute(x: DTensor, mesh: DeviceMesh, placements: str) -> DTensor:
@@ -21,6 +22,39 @@ def redistribute(x: DTensor, mesh: DeviceMesh, placements: str) -> DTensor:
     if tuple(x.placements) == target:
         return x
     return x.redistribute(mesh, target)
+
+
+class _ReduceGrad(torch.autograd.Function):
+    """Identity forward; backward reduces the (summed) gradient's Partial axes to ``placements``."""
+
+    @staticmethod
+    def forward(ctx, x, mesh, placements):
+        ctx.mesh, ctx.target = mesh, placements
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if isinstance(grad, DTensor):
+            target = tuple(want if isinstance(g, Partial) and not isinstance(want, Partial) else g
+                           for g, want in zip(grad.placements, ctx.target))
+            if target != tuple(grad.placements):
+                grad = grad.redistribute(ctx.mesh, target)
+        return grad, None, None
+
+
+def reduce_grad(x: DTensor, mesh: DeviceMesh, placements: str) -> DTensor:
+    """``x`` unchanged; in backward, its gradient (summed over all consumers) is reduced where Partial.
+
+    Where consumers send a value Partial gradients (a weight split on an output letter the value
+    lacks), DTensor would keep the sum Partial and carry it backward through the producer's ops,
+    redistributing and reducing wherever an op refuses a Partial (more collectives, and a plan the
+    solver cannot predict). The plan lists these values (backward collectives "grad of <value>"); here
+    their gradient is brought to the value's own placement ``placements`` once, before the producer's
+    backward, as the solver predicts.
+    """
+    if not isinstance(x, DTensor) or not x.requires_grad or not torch.is_grad_enabled():
+        return x
+    return _ReduceGrad.apply(x, mesh, to_placements(placements))
 
 
 def replicate(x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
@@ -88,6 +122,16 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+def _stride_like(local: torch.Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Dense strides of a tensor of ``shape`` whose dims are laid out in memory in ``local``'s order."""
+    order = sorted(range(local.ndim), key=lambda d: (-local.stride(d), d))  # outermost first
+    stride, acc = [0] * len(shape), 1
+    for d in reversed(order):
+        stride[d] = acc
+        acc *= max(shape[d], 1)
+    return tuple(stride)
+
+
 def sdpa(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False, *,
          scale: float | None = None, enable_gqa: bool = False):
     """``aten.scaled_dot_product_attention`` on DTensors, run locally on each shard.
@@ -120,8 +164,11 @@ def sdpa(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: b
     with _disable_current_modes():
         out = plain(q.to_local(), k.to_local(), v.to_local(), mask_local, dropout_p, is_causal, scale=scale,
                     enable_gqa=enable_gqa)
+        # The CPU flash kernel returns its output laid out (batch, seq, heads, dim) and viewed as
+        # (batch, heads, seq, dim): the DTensor gets the global stride of that same layout, so that the
+        # model's transpose + reshape stays a view (a contiguous stride here made reshape copy).
         return DTensor.from_local(out, mesh, target, run_check=False, shape=torch.Size(shape),
-                                  stride=_contiguous_stride(shape))
+                                  stride=_stride_like(out, shape))
 
 
 #: ATen ops that DTensor cannot shard on some devices, replaced by the function above (same signature)

@@ -16,13 +16,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.debug import CommDebugMode
+
 from cauto.profiler.capture import Capture, is_value_node, output_tensors, tensor_inputs
 from cauto.runtime.dist_utils import local_slices, placements_text, to_placements
 from cauto.runtime.ops import SUBSTITUTES
 from cauto.runtime.verify import executed_counts
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.debug import CommDebugMode
 
 
 @dataclass

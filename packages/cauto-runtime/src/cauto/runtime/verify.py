@@ -4,11 +4,17 @@
   and phase (forward; backward including the bucketed gradient all-reduces) and compared with
   ``plan.predictions.collectives``. The plan's gradient-sync entries are per parameter; the runtime
   sends them in buckets, so they are compared as launched buckets and as bytes.
-* Peak memory: the step runs under ``torch.profiler.profile(profile_memory=True)`` and the peak of
-  live bytes over its allocation events is added to the bytes already live when it started
-  (parameters, gradients, optimizer state). In multi-process gloo runs a tensor freed on a gloo
-  worker thread has no free event (ENVIRONMENT.md); ``allocation_peak`` treats a new allocation at
-  a still-live address as proof of that free. On CUDA, ``torch.cuda.max_memory_allocated``.
+* Peak memory: what the plan's ``peak_bytes`` predicts, the peak of live tensor bytes on this rank
+  over a steady-state training step (forward, backward with the bucketed gradient sync, optimizer
+  step, ``zero_grad``), after earlier steps created the optimizer state. The step runs under
+  ``torch.profiler.profile(profile_memory=True)`` and the peak of live bytes over its allocation
+  events is added to the bytes already live when it started: parameters, gradients (None after
+  ``zero_grad``), buffers, optimizer state, and this rank's shard of the input batch as the plan
+  places it (in global-batch mode the caller also holds the rest of the batch: the caller's data,
+  not counted). In multi-process gloo runs a tensor freed on a gloo worker thread has no free
+  event (ENVIRONMENT.md); ``allocation_peak`` treats a new allocation at a still-live address as
+  proof of that free, and the step is measured twice, keeping the lower peak (a missed free can
+  only add bytes). On CUDA, ``torch.cuda.max_memory_allocated``.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from collections import Counter
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
+
+from cauto.runtime.dist_utils import local_slices, to_placements
 
 _OP_NAMES = {"all_gather_into_tensor": "all_gather", "all_gather": "all_gather", "allgather_": "all_gather",
              "_allgather_base_": "all_gather", "all_reduce": "all_reduce", "allreduce_": "all_reduce",
@@ -56,18 +64,39 @@ def live_state_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer |
     return total
 
 
-def measured_peak_bytes(step, module, optimizer) -> int:
-    """Run ``step()`` once and return this rank's peak of live bytes during it (see module docstring)."""
+def input_shard_bytes(module) -> int:
+    """Bytes of this rank's shard of the user inputs, placed as the plan says (local-batch mode)."""
+    total = 0
+    for node in module.capture.graph.nodes:
+        if node.op != "placeholder" or module.capture.placeholders[node.name][0] != "input":
+            continue
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        placements = to_placements(tuple(module.plan.nodes[node.name]["outputs"][0]))
+        index = local_slices(tuple(val.shape), placements, module.mesh)
+        numel = 1
+        for s in index:
+            numel *= s.stop - s.start
+        total += numel * val.element_size()
+    return total
+
+
+def measured_peak_bytes(step, module, optimizer, repeats: int = 2) -> int:
+    """Run ``step()`` ``repeats`` times; return this rank's peak of live bytes in one step (module docstring)."""
     if torch.cuda.is_available() and module.mesh.device_type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         step()
         torch.cuda.synchronize()
         return int(torch.cuda.max_memory_allocated())
-    base = live_state_bytes(module, optimizer)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    return base + allocation_peak(prof)
+    peaks = []
+    for _ in range(max(1, repeats)):
+        base = live_state_bytes(module, optimizer) + input_shard_bytes(module)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            step()
+        peaks.append(base + allocation_peak(prof))
+    return min(peaks)
 
 
 def allocation_peak(prof) -> int:

@@ -21,6 +21,7 @@ gradient. Each redistribution on an edge has its own backward, priced in full.
 from __future__ import annotations
 
 import numpy as np
+
 from cauto.plan import GraphNode
 from cauto.solver.cluster import ClusterSpec
 from cauto.solver.reshard import Placements, backward_target, reshard_cost_s

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from cauto.plan import GraphDocument, GraphNode, split_ref
 from cauto.solver.cost import CostModel
 from cauto.solver.memory import MemoryModel
@@ -63,6 +64,10 @@ class Problem:
     step_terms: list[StepTerms] = field(default_factory=list)
     #: (a, b) -> the saved-bytes matrices of gathered parameters joining variables a < b (memory.py)
     pair_mem: dict[tuple[int, int], list[np.ndarray]] = field(default_factory=dict)
+    #: bytes the backward's start adds to everything saved (memory.backward_extra_bytes), per option
+    backward_terms: list[tuple[int, np.ndarray]] = field(default_factory=list)
+    #: bytes of gradients at the end of backward (memory.grad_end_bound), per option of a parameter
+    grad_terms: list[tuple[int, np.ndarray]] = field(default_factory=list)
     constant_s: float = 0.0
 
     def strategy_of(self, node_id: str, choice: list[int]) -> Strategy:
@@ -269,6 +274,9 @@ def build_problem(graph: GraphDocument, strategies: dict[str, list[Strategy]], c
             p.node_cost[v] += cost.tie_break_s_per_byte * state
             if state.any():
                 p.state_terms.append((v, state))
+            grads = np.array([memory.grad_end_bound(n, strats[i]) for i in idx], dtype=float)
+            if grads.any():
+                p.grad_terms.append((v, grads))
         elif n.kind == "op":
             saved = np.array([memory.saved_bytes(n, strats[i]) for i in idx], dtype=float)
             trans = np.array([memory.transient_bytes(n, strats[i]) for i in idx], dtype=float)
@@ -276,6 +284,9 @@ def build_problem(graph: GraphDocument, strategies: dict[str, list[Strategy]], c
             step.saved.append((v, saved))
             step.transient = (v, trans)
             p.step_terms.append(step)
+            extra = np.array([memory.backward_extra_bytes(n, strats[i]) for i in idx], dtype=float)
+            if extra.any():
+                p.backward_terms.append((v, extra))
     # single-option variables and separable matrices fold into node costs (pairs with memory terms stay)
     for key in p.pair_mem:
         pair.setdefault(key, np.zeros((p.var_sizes[key[0]], p.var_sizes[key[1]])))

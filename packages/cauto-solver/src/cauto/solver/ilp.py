@@ -13,6 +13,8 @@ Constraints
     c_k = c_{k−1} + Σ_{ops i in (t_{k−1}, t_k]} (saved_i · x + gathered_i · e)      (cumulative saved bytes;
           gathered: parameter copies an op saves after an all-gather, a function of the pair)
     Σ_params state · x + c_k + transient_{t_k} · x ≤ M   at every check point t_k (Alpa's per-step peak)
+    Σ_params state · x + c_last + backward_extra · x ≤ M  (backward start: loss gradients on top of all saved)
+    Σ_params (state + 2 · grad) · x ≤ M                  (end of backward: gradients and their synced copies)
 Objective (seconds; handed to the solver in microseconds, with a relative gap of 1e-9, so that
 differences of well under a microsecond still decide)
     min Σ_v node_cost[v] · x[v] + Σ_(a,b) pair_cost[a, b] · e[a, b]
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pulp
+
 from cauto.solver.errors import SolverError
 from cauto.solver.groups import Problem
 
@@ -55,6 +58,9 @@ class IlpResult:
 
 #: objective scale handed to the solver: microseconds
 SCALE = 1e6
+#: memory rows are handed to the solver in MiB: byte-sized coefficients (1e9 next to the c variables'
+#: 1) made HiGHS's presolve call feasible models infeasible
+MEM_SCALE = 2.0 ** -20
 GAP_REL = 1e-9
 
 
@@ -116,27 +122,33 @@ def build(problem: Problem, memory_budget: int | None, *, minimize_peak: bool = 
     peak = None
     if memory_budget is not None or minimize_peak:
         peak = pulp.LpVariable("peak", 0) if minimize_peak else None
-        limit = peak if minimize_peak else float(memory_budget)
-        state = _expr([t for v, coef in problem.state_terms for t in _dot(coef, x[v])])
+        limit = peak if minimize_peak else float(memory_budget) * MEM_SCALE
+        state = _expr([t for v, coef in problem.state_terms for t in _dot(coef * MEM_SCALE, x[v])])
         prev = None
         pending: list = []
         last = len(problem.step_terms) - 1
         for t, step in enumerate(problem.step_terms):
             tv, trans = step.transient
             for sv, saved in step.saved:
-                pending += _dot(saved, x[sv])
+                pending += _dot(saved * MEM_SCALE, x[sv])
             for a, b, i in step.pair_saved:
                 e, rows, cols = pair_e[(a, b)]
                 mem = problem.pair_mem[(a, b)][i][np.ix_(rows, cols)]
-                pending += [(e[r][c], float(mem[r, c])) for r, c in zip(*np.nonzero(mem))]
+                pending += [(e[r][c], float(mem[r, c]) * MEM_SCALE) for r, c in zip(*np.nonzero(mem))]
             if not trans.any() and t != last:
                 continue
             c = pulp.LpVariable(f"c_{t}", 0)
             prob += c == _expr(pending) + (prev if prev is not None else 0), f"cum_{t}"
-            prob += state + c + _expr(_dot(trans, x[tv])) <= limit, f"mem_{t}"
+            prob += state + c + _expr(_dot(trans * MEM_SCALE, x[tv])) <= limit, f"mem_{t}"
             prev, pending = c, []
         if prev is None:
             prob += state <= limit, "mem_state"
+        if problem.backward_terms and prev is not None:
+            extra = _expr([t for v, coef in problem.backward_terms for t in _dot(coef * MEM_SCALE, x[v])])
+            prob += state + prev + extra <= limit, "mem_backward"
+        if problem.grad_terms:
+            grads = _expr([t for v, coef in problem.grad_terms for t in _dot(coef * MEM_SCALE, x[v])])
+            prob += state + grads <= limit, "mem_grads"
     if minimize_peak:
         prob.setObjective(pulp.LpAffineExpression([(peak, 1.0)]))
     else:
@@ -183,7 +195,7 @@ def _gap(prob, problem: Problem, memory_budget, minimize_peak: bool, solver: str
     _run(relaxed, _solver(solver, time_limit_s))
     if relaxed.sol_status != pulp.LpSolutionOptimal:
         return None
-    bound = float(pulp.value(relaxed.objective) or 0.0) / (1.0 if minimize_peak else SCALE)
+    bound = float(pulp.value(relaxed.objective) or 0.0) / (MEM_SCALE if minimize_peak else SCALE)
     return max(0.0, (objective - bound) / objective) if objective > 0 else 0.0
 
 
@@ -202,7 +214,7 @@ def solve_ilp(problem: Problem, memory_budget: int | None, *, solver: str = "cbc
         raise SolverError(f"{solver} returned status {status!r} (solution status {prob.sol_status}); "
                           f"raise the time limit ({time_limit_s} s) or try the other solver")
     choice = _read_choice(x)
-    objective = float(pulp.value(prob.objective) or 0.0) / (1.0 if minimize_peak else SCALE)
+    objective = float(pulp.value(prob.objective) or 0.0) / (MEM_SCALE if minimize_peak else SCALE)
     if prob.sol_status == pulp.LpSolutionOptimal:
         return IlpResult(choice, "optimal", objective, 0.0, elapsed, nvars, ncons, True)
     gap = _gap(prob, problem, memory_budget, minimize_peak, solver, time_limit_s, objective)

@@ -1,33 +1,46 @@
-"""Per-device memory: a peak over the node order (liveness), not a sum and not parameters only.
+"""Per-device memory: the peak of live bytes over a steady-state training step, per phase.
 
-Model state is alive for the whole step. Per parameter with storage placement split into k
-pieces: its bytes/k, its gradient bytes/k (training), and the optimizer state: AdamW/Adam keep
-two fp32 tensors per element (8 bytes · numel/k), SGD (no momentum) and "none" keep nothing.
-Tied parameters count once. Inputs (possibly batch-sliced) and buffers count as live too.
+What a rank holds (the runtime's ``verify`` measures the same: live tensor bytes on one rank over
+a training step after the optimizer state exists):
 
-Activations follow the forward order t = 0..T−1. Each node's ``saved_bytes`` (held until its
-backward) scale by the shard count of its first output; ``transient_bytes`` (alive only while it
-runs) by the strategy's shard factor. The live bytes at step t are
+* Always (``state_bytes``): each parameter's storage shard (bytes/k for a placement split into k
+  pieces) and, training, its optimizer state (AdamW/Adam: two fp32 tensors, 8 bytes · numel/k; SGD
+  without momentum and "none": nothing); inputs (possibly batch-sliced) and buffers. Tied
+  parameters count once. Gradients are NOT always live: ``zero_grad`` sets them to None.
+* Forward, node by node in order t (Alpa's per-step check):
+  ``state + Σ_{i ≤ t} saved_i + transient_t``. A node's ``saved_bytes`` are its outputs kept for
+  backward, scaled by each output's shard count (a Partial output is full size on every rank), and
+  anything beyond its output bytes (internal intermediates: cross entropy's log-softmax, layer
+  norm's mean and rstd) scaled by the strategy's shard factor; ``transient_bytes`` (alive only
+  while it runs) by the shard factor. A parameter consumed less sharded than stored (ZeRO:
+  all-gather before use) leaves the gathered copy saved for the op's backward (``gathered_bytes``;
+  embeddings save only their indices and are exempt). An activation that a matmul-like consumer
+  takes through a redistribution is saved at the consumer's placement instead of the producer's
+  (``predict`` only; the ILP's ``peak`` keeps the producer's).
+* Backward start: ``state + Σ saved + backward_extra``: the gradients the loss's backward creates
+  while all saved tensors are still alive. Taken from the graph's memory section (the unsharded
+  run's backward peak minus what the model above holds there), at the node where that peak
+  happens, divided by that node's shard factor.
+* End of backward (gradient synchronization): ``state + Σ_params grad_computed + Σ_synced grad_stored``:
+  every gradient as autograd produced it (the consumer's gradient placement: full size for a
+  gathered parameter) plus, for gradients that need synchronization, the flat bucket (or the
+  redistributed copy) at the parameter's storage placement. The ILP bounds this by twice the stored
+  gradients.
+* Optimizer step: ``state + Σ grad_stored + optimizer_extra`` (the per-parameter loop's temporaries:
+  the unsharded run's optimizer peak minus params, grads and state, scaled like the largest parameter).
 
-    model_state + Σ_{i ≤ t} saved_i + transient_t,
-
-and the plan's peak is the maximum over t (Alpa's per-step constraint). Because the saved sum never
-decreases, only steps with a transient term and the last step can set the maximum.
-
-Gathered parameters: when an op needs a parameter less sharded than it is stored (ZeRO: all-gather
-before use), the redistributed copy is what autograd saves for the op's backward, so it stays
-alive from that op to the end of forward: bytes / shards(needed placement) join the saved sum at the
-op's step (``gathered_bytes``; embeddings save only their indices and are exempt).
-
-Calibration: when the graph carries a measured/simulated ``memory.peak_bytes`` for the unsharded
-run, activation terms are scaled (within [0.5, 2]) so that the single-device estimate matches it.
+The peak is the maximum over all check points: ``peak`` is exactly the ILP's model (forward,
+backward start, gradient bound); ``predict``, written into the plan, refines it where only a full
+assignment tells (redistributed activations, gradients as computed, the optimizer step). Without a memory section in the graph
+(synthetic graphs) the backward and optimizer extras are 0.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
-from cauto.plan import GraphNode
+from cauto.plan import GraphNode, split_ref
 from cauto.solver.strategies import Strategy, shard_count
 
 _ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
@@ -50,32 +63,64 @@ class MemoryModel:
         self.mesh_shape = tuple(mesh_shape)
         self.train = train
         self.opt_bytes_per_elem = OPTIMIZER_BYTES_PER_ELEM.get(optimizer, 8) if train else 0
+        #: kept for callers that scale activations (checkpoint planning); 1.0: the model is not fitted
         self.activation_scale = 1.0
+        #: unsharded bytes the backward's first steps add on top of everything saved (module doc)
+        self.backward_extra = 0
+        #: node at whose backward that peak happens (its strategy's shard factor divides the extra)
+        self.backward_node: str | None = None
+        #: unsharded temporaries of the optimizer step, and the largest parameter's bytes they scale with
+        self.optimizer_extra = 0
+        self._largest_param = 0
 
+    # ------------------------------------------------------------------ per-node terms
     def state_bytes(self, node: GraphNode, strategy: Strategy) -> int:
-        """Always-live bytes of a placeholder: a param with its gradient and optimizer state, an input, a buffer."""
+        """Always-live bytes of a placeholder: a param with its optimizer state, an input, a buffer."""
         if node.kind not in ("param", "buffer", "input") or node.tied_to:
             return 0
         k = shard_count(strategy.outputs[0], self.mesh_shape)
         b = node.outputs[0].bytes // k
         if node.kind != "param":
             return b
-        grad = b if self.train and node.requires_grad is not False else 0
         opt = self.opt_bytes_per_elem * numel(node) // k if node.requires_grad is not False else 0
-        return b + grad + opt
+        return b + opt
+
+    def grad_bytes(self, node: GraphNode, strategy: Strategy) -> int:
+        """A parameter's gradient at its storage placement (0 when not training or frozen)."""
+        if node.kind != "param" or node.tied_to or not self.train or node.requires_grad is False:
+            return 0
+        return node.outputs[0].bytes // shard_count(strategy.outputs[0], self.mesh_shape)
 
     def saved_bytes(self, node: GraphNode, strategy: Strategy) -> int:
-        """Bytes this op keeps for backward, per device."""
+        """Bytes this op keeps for backward, per device (outputs by their shards, the rest by the shard factor)."""
         if node.kind != "op" or not node.saved_bytes or not self.train:
             return 0
-        k = shard_count(strategy.outputs[0], self.mesh_shape) if strategy.outputs else 1
-        return int(node.saved_bytes * self.activation_scale) // k
+        saved = int(node.saved_bytes * self.activation_scale)
+        out_part, left = 0, saved
+        for o, meta in enumerate(node.outputs):
+            b = min(left, meta.bytes)
+            if b <= 0:
+                break
+            k = shard_count(strategy.outputs[o], self.mesh_shape) if o < len(strategy.outputs) else 1
+            out_part += b // k
+            left -= b
+        return out_part + left // max(1, strategy.shard_factor)
 
     def transient_bytes(self, node: GraphNode, strategy: Strategy) -> int:
         """Bytes alive only while this op runs, per device."""
         if node.kind != "op" or not node.transient_bytes:
             return 0
         return int(node.transient_bytes * self.activation_scale) // strategy.shard_factor
+
+    def backward_extra_bytes(self, node: GraphNode, strategy: Strategy) -> int:
+        """The backward-start extra (module doc), per device, when ``node`` is where it happens."""
+        if not self.train or node.id != self.backward_node or not self.backward_extra:
+            return 0
+        return self.backward_extra // max(1, strategy.shard_factor)
+
+    def grad_end_bound(self, node: GraphNode, strategy: Strategy) -> int:
+        """ILP bound of a parameter's gradient bytes at the end of backward: computed + synchronized copy."""
+        return 2 * self.grad_bytes(node, strategy)
 
     def gathered_bytes(self, consumer: GraphNode, param: GraphNode, stored: tuple[str, ...],
                        needed: tuple[str, ...]) -> int:
@@ -86,32 +131,173 @@ class MemoryModel:
             return 0
         return param.outputs[0].bytes // shard_count(needed, self.mesh_shape)
 
+    # ------------------------------------------------------------------ the peak of a full assignment
     def peak(self, nodes: list[GraphNode], chosen: dict[str, Strategy]) -> tuple[int, int, int, int]:
-        """(peak bytes, model-state bytes, activation bytes at the peak, index of the peak step)."""
-        state = sum(self.state_bytes(n, chosen[n.id]) for n in nodes if n.id in chosen)
+        """The ILP's model (exactly what its constraints say): (peak bytes, always-live state bytes,
+        the rest at the peak, index of the peak step).
+
+        The peak step is the forward node index, or the last op's index for the backward start and
+        the phases after it."""
+        return self.breakdown(nodes, chosen, exact=False)[:4]
+
+    def predict(self, nodes: list[GraphNode], chosen: dict[str, Strategy]) -> tuple[int, int, int, int]:
+        """Like ``peak``, with what only a full assignment shows (the plan's predictions): activations
+        saved after a redistribution, gradients as computed and synchronized, the optimizer step."""
+        return self.breakdown(nodes, chosen, exact=True)[:4]
+
+    def breakdown(self, nodes: list[GraphNode], chosen: dict[str, Strategy],
+                  exact: bool = True) -> tuple[int, int, int, int, str]:
+        """``predict`` (``peak`` when not ``exact``) plus the phase holding the peak: "forward",
+        "backward", "grad_sync" or "optimizer"."""
         by_id = {n.id: n for n in nodes}
+
+        def owner_pl(src: GraphNode, o: int = 0):
+            if src.kind == "param" and src.tied_to:
+                return chosen[src.tied_to].outputs[0]
+            return chosen[src.id].outputs[o]
+
+        state = sum(self.state_bytes(n, chosen[n.id]) for n in nodes if n.id in chosen)
+        # activations a matmul-like consumer saves after a redistribution: (producer ref) -> placements
+        moved: dict[str, set] = {}
+        direct: set[str] = set()
+        for n in nodes:
+            if not exact or n.kind != "op" or n.id not in chosen:
+                continue
+            s = chosen[n.id]
+            for k, ref in enumerate(n.inputs):
+                src_id, o = split_ref(ref)
+                src = by_id.get(src_id)
+                if src is None or src.kind != "op" or src_id not in chosen or k >= len(s.inputs):
+                    continue
+                key = f"{src_id}#{o}"
+                if owner_pl(src, o) == s.inputs[k]:
+                    direct.add(key)
+                elif _saves_inputs(n):
+                    moved.setdefault(key, set()).add(s.inputs[k])
         cum, best, best_t = 0, 0, 0
+        last_t = 0
+        bwd_extra = 0
         for t, n in enumerate(nodes):
             if n.id not in chosen or n.kind != "op":
                 continue
             s = chosen[n.id]
-            cum += self.saved_bytes(n, s)
+            last_t = t
+            cum += self._saved_moved(n, s, moved, direct)
             for k, ref in enumerate(n.inputs):
-                src = by_id.get(ref.partition("#")[0])
-                if src is not None and src.kind == "param":
-                    owner = chosen[src.tied_to] if src.tied_to else chosen[src.id]
-                    cum += self.gathered_bytes(n, src, owner.outputs[0], s.inputs[k])
+                src = by_id.get(split_ref(ref)[0])
+                if src is not None and src.kind == "param" and k < len(s.inputs):
+                    cum += self.gathered_bytes(n, src, owner_pl(src), s.inputs[k])
+            bwd_extra += self.backward_extra_bytes(n, s)
             live = cum + self.transient_bytes(n, s)
             if live >= best:
                 best, best_t = live, t
-        return state + best, state, best, best_t
+        phase = "forward"
+        if self.train and cum + bwd_extra > best:
+            best, best_t, phase = cum + bwd_extra, last_t, "backward"
+        if self.train and not exact:
+            grads = sum(self.grad_end_bound(n, chosen[n.id]) for n in nodes if n.id in chosen)
+            if grads > best:
+                best, best_t, phase = grads, last_t, "grad_sync"
+        elif self.train:
+            computed, stored_all, synced = self._gradients(nodes, chosen, by_id)
+            if computed + synced > best:
+                best, best_t, phase = computed + synced, last_t, "grad_sync"
+            opt = stored_all + self._optimizer_extra(nodes, chosen)
+            if opt > best:
+                best, best_t, phase = opt, last_t, "optimizer"
+        return state + best, state, best, best_t, phase
 
-    def calibrate(self, nodes: list[GraphNode], replicated: dict[str, Strategy], measured_peak: int) -> None:
-        """Scale activation terms so the one-device estimate matches ``measured_peak`` (module doc)."""
+    def _saved_moved(self, n: GraphNode, s: Strategy, moved: dict, direct: set) -> int:
+        """saved_bytes, with outputs that only reach matmul-like consumers by redistribution saved at their placement."""
+        base = self.saved_bytes(n, s)
+        if not base:
+            return 0
+        for o, meta in enumerate(n.outputs):
+            key = f"{n.id}#{o}"
+            if key not in moved or o >= len(s.outputs):
+                continue
+            b = min(int(n.saved_bytes * self.activation_scale), meta.bytes)
+            at_src = b // shard_count(s.outputs[o], self.mesh_shape)
+            copies = sum(b // shard_count(pl, self.mesh_shape) for pl in moved[key])
+            base += copies - (0 if key in direct else at_src)
+        return base
+
+    def _gradients(self, nodes, chosen, by_id) -> tuple[int, int, int]:
+        """(Σ gradients as autograd leaves them, Σ gradients at storage placement, Σ synchronized copies)."""
+        computed_pl: dict[str, tuple] = {}
+        for n in nodes:
+            if n.kind != "op" or n.id not in chosen:
+                continue
+            s = chosen[n.id]
+            for k, ref in enumerate(n.inputs):
+                src = by_id.get(split_ref(ref)[0])
+                if src is not None and src.kind == "param" and k < len(s.input_grads):
+                    computed_pl.setdefault(src.tied_to or src.id, s.input_grads[k])
+        computed = stored_all = synced = 0
+        for n in nodes:
+            if n.kind != "param" or n.id not in chosen:
+                continue
+            stored = self.grad_bytes(n, chosen[n.id])
+            if not stored:
+                continue
+            stored_all += stored
+            grad_pl = computed_pl.get(n.id, chosen[n.id].outputs[0])
+            computed += n.outputs[0].bytes // shard_count(grad_pl, self.mesh_shape)
+            if grad_pl != chosen[n.id].outputs[0]:
+                synced += stored
+        return computed, stored_all, synced
+
+    def _optimizer_extra(self, nodes, chosen) -> int:
+        if not self.optimizer_extra or not self._largest_param:
+            return 0
+        largest = max((n.outputs[0].bytes // shard_count(chosen[n.id].outputs[0], self.mesh_shape)
+                       for n in nodes if n.kind == "param" and n.id in chosen and not n.tied_to), default=0)
+        return self.optimizer_extra * largest // self._largest_param
+
+    # ------------------------------------------------------------------ what the unsharded run says
+    def calibrate(self, nodes: list[GraphNode], replicated: dict[str, Strategy], measured_peak: int,
+                  memory: Mapping | None = None) -> None:
+        """Take the backward-start and optimizer extras from the graph's memory section (module doc).
+
+        ``memory`` is the graph document's ``memory`` (peak_bytes, phases, timeline); with only
+        ``measured_peak`` the backward extra is the part of that peak the model above lacks."""
         self.activation_scale = 1.0
-        if not measured_peak:
+        self.backward_extra = self.optimizer_extra = 0
+        self.backward_node = None
+        memory = dict(memory or {})
+        phases = memory.get("phases") or {}
+        if not self.train:
             return
-        _, state, act, _ = self.peak(nodes, replicated)
-        if act <= 0 or measured_peak <= state:
-            return
-        self.activation_scale = min(2.0, max(0.5, (measured_peak - state) / act))
+        ops = [n for n in nodes if n.kind == "op" and n.id in replicated]
+        params = [n for n in nodes if n.kind == "param" and not n.tied_to and n.id in replicated]
+        state = sum(self.state_bytes(n, replicated[n.id]) for n in nodes if n.id in replicated)
+        saved = sum(self.saved_bytes(n, replicated[n.id]) for n in ops)
+        grads = sum(self.grad_bytes(n, replicated[n.id]) for n in params)
+        self._largest_param = max((n.outputs[0].bytes for n in params), default=0)
+        backward_peak = int(phases.get("backward") or 0)
+        if not phases and measured_peak:
+            backward_peak = int(measured_peak)
+        node = None
+        best = -1
+        for event in memory.get("timeline") or []:
+            _, phase, node_id, live = event
+            if phase == "backward" and live > best:
+                best, node = live, node_id
+        known = {n.id for n in ops}
+        if node not in known:
+            node = ops[-1].id if ops else None
+        if backward_peak and node is not None:
+            self.backward_node = node
+            self.backward_extra = max(0, backward_peak - state - saved)
+        optimizer_peak = int(phases.get("optimizer") or 0)
+        if optimizer_peak:
+            self.optimizer_extra = max(0, optimizer_peak - state - grads)
+
+
+def _saves_inputs(node: GraphNode) -> bool:
+    """Whether an op keeps its (activation) inputs for backward: matmuls, attention, convolutions, norms."""
+    lab = node.labels
+    return lab is not None and lab.rule in _SAVES_INPUTS
+
+
+_SAVES_INPUTS = {"matmul", "attention", "convolution", "norm"}

@@ -12,9 +12,12 @@ solve for the least peak and raise InfeasibleBudgetError; write the plan:
   consumers split a letter it lacks) to its storage placement after backward.
 * ``predictions.collectives``: every collective of a step: forward edges; the backward of each
   edge (gradient from its arriving placement back to the source's); implicit reductions of
-  gradients that arrive Partial at non-parameter producers, once per producer and distinct
-  gradient placement (autograd sums Partial gradients before the producer's backward reduces
-  them); grad_sync. ``step_time_s.communication`` is their sum; compute is the roofline sum.
+  gradients that arrive Partial at non-parameter producers, once per producer: autograd sums the
+  consumers' gradients (Partial on every axis where one of them is) and the runtime reduces that
+  sum to the producer's placement before the producer's backward (``ops.reduce_grad``; left to
+  itself DTensor would carry the Partial sum on through the producer's ops); the all-reduce of a
+  batch-split cross entropy's total weight inside its backward; grad_sync.
+  ``step_time_s.communication`` is their sum; compute is the roofline sum.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from cauto.solver.groups import Problem, build_problem, enumerate_strategies, fa
 from cauto.solver.ilp import solve_ilp
 from cauto.solver.memory import MemoryModel
 from cauto.solver.reshard import Collective, backward_target, is_partial, reshard
-from cauto.solver.strategies import Strategy
+from cauto.solver.strategies import Placements, Strategy
 
 
 def _graph(graph: GraphDocument | Mapping) -> GraphDocument:
@@ -52,7 +55,7 @@ def build(graph: GraphDocument, cluster: ClusterSpec, *, follow: bool = True, sh
     memory = MemoryModel(mesh, graph.settings.get("optimizer", "adamw"), train)
     nodes = [n for n in graph.nodes if n.kind != "output"]
     replicated = {n.id: strategies[n.id][0] for n in nodes}
-    memory.calibrate(nodes, replicated, int(graph.memory.get("peak_bytes", 0)))
+    memory.calibrate(nodes, replicated, int(graph.memory.get("peak_bytes", 0)), graph.memory)
     cost.set_tie_break(sum(cost.compute_s(n, replicated[n.id]) for n in nodes), memory.peak(nodes, replicated)[0])
     problem = build_problem(graph, strategies, cost, memory, follow=follow, share_layers=share_layers)
     return strategies, cost, memory, problem
@@ -93,7 +96,7 @@ def _top_tensors(graph: GraphDocument, chosen: Mapping[str, Strategy], memory: M
     for t, n in enumerate(nodes):
         s = chosen[n.id]
         if n.kind == "param":
-            items.append((f"param {n.target or n.id} (+grad, optimizer state)", memory.state_bytes(n, s)))
+            items.append((f"param {n.target or n.id} (+optimizer state)", memory.state_bytes(n, s)))
         elif n.kind in ("input", "buffer"):
             items.append((f"{n.kind} {n.target or n.id}", memory.state_bytes(n, s)))
         elif t <= t_peak:
@@ -103,8 +106,39 @@ def _top_tensors(graph: GraphDocument, chosen: Mapping[str, Strategy], memory: M
     return [kv for kv in items if kv[1] > 0][:8]
 
 
+#: loss ops whose DTensor backward all-reduces the Partial total weight of a mean reduction (nll_loss)
+_TOTAL_WEIGHT_LOSSES = frozenset({"aten.cross_entropy_loss.default", "aten.nll_loss.default",
+                                  "aten.nll_loss_nd.default", "aten.nll_loss_forward.default",
+                                  "aten.nll_loss2d_forward.default"})
+
+
+def _partial_union(grads: list[Placements], own: Placements) -> Placements:
+    """Placement of the sum of gradients ``grads`` of a value placed ``own``: Partial(sum) where any is Partial."""
+    return tuple(next((g[ax] for g in grads if is_partial(g[ax])), own[ax]) for ax in range(len(own)))
+
+
 def _collective_dicts(cs, phase: str, where: str) -> list[dict]:
     return [c.to_dict(phase, where) for c in cs]
+
+
+def _fit_prediction(g: GraphDocument, problem: Problem, memory: MemoryModel, result, budget: int, solver: str,
+                    time_limit_s: float, tries: int = 3):
+    """The plan's prediction (``memory.predict``) refines the ILP's memory model (``memory.peak``):
+    where it lands over the budget, solve again with the budget lowered by the excess (a few times)."""
+    nodes = [n for n in g.nodes if n.kind != "output"]
+    limit = budget
+    for _ in range(tries):
+        if not result.feasible:
+            return result
+        over = memory.predict(nodes, chosen_strategies(problem, result.choice))[0] - budget
+        if over <= 0:
+            return result
+        limit -= over
+        tighter = solve_ilp(problem, limit, solver=solver, time_limit_s=time_limit_s)
+        if not tighter.feasible:
+            return result
+        result = tighter
+    return result
 
 
 def solve(graph: GraphDocument | Mapping, cluster: ClusterSpec, *, memory_budget: int | None = None,
@@ -124,6 +158,7 @@ def solve(graph: GraphDocument | Mapping, cluster: ClusterSpec, *, memory_budget
     strategies, cost, memory, problem = build(g, cluster, follow=follow, share_layers=share_layers)
     built = time.perf_counter()
     result = solve_ilp(problem, budget, solver=solver, time_limit_s=time_limit_s)
+    result = _fit_prediction(g, problem, memory, result, budget, solver, time_limit_s)
     solved = time.perf_counter()
     if not result.feasible:
         least = solve_ilp(problem, None, solver=solver, time_limit_s=time_limit_s, minimize_peak=True)
@@ -198,6 +233,10 @@ def plan_document(g: GraphDocument, cluster: ClusterSpec, chosen: Mapping[str, S
         src_id, _ = split_ref(ref)
         target_pl = out_pl(ref)
         is_param = by_id[src_id].kind == "param"
+        if not is_param:
+            # the runtime reduces a value's gradient once, after autograd summed its consumers' gradients
+            # (ops.reduce_grad): the sum is Partial on every axis where one of them is
+            grads = {_partial_union(list(grads), target_pl): max(grads.values())}
         for grad_pl, nbytes in grads.items():
             cs: tuple[Collective, ...] = reshard(grad_pl, backward_target(grad_pl, target_pl), nbytes,
                                                             mesh, links, cost.overhead_s, cost.all_to_all)
@@ -205,6 +244,17 @@ def plan_document(g: GraphDocument, cluster: ClusterSpec, chosen: Mapping[str, S
                 grad_sync += _collective_dicts(cs, "grad_sync", src_id)
             else:
                 bwd += _collective_dicts(cs, "backward", f"grad of {ref}")
+    # DTensor's nll_loss backward (mean reduction) needs the total weight, Partial(sum) wherever the
+    # batch is split, replicated: an all-reduce of a scalar per such axis, inside the op's backward.
+    for n in nodes:
+        if n.kind == "op" and n.op in _TOTAL_WEIGHT_LOSSES and n.labels is not None and n.labels.reduce == "avg" \
+                and rg[n.id]:
+            out = chosen[n.id].outputs[0] if chosen[n.id].outputs else ()
+            if any(is_partial(p) for p in out):
+                weight_pl = tuple("P(sum)" if is_partial(p) else p for p in out)
+                bwd += _collective_dicts(reshard(weight_pl, tuple("R" for _ in mesh), n.outputs[0].bytes, mesh, links,
+                                                 cost.overhead_s, cost.all_to_all), "backward",
+                                         f"{n.id} (total weight)")
     # The runtime hands the user a replicated loss: a Partial loss is all-reduced at the end of forward.
     for out in (n for n in g.nodes if n.kind == "output"):
         loss_pl = out_pl(out.inputs[0])
@@ -214,7 +264,7 @@ def plan_document(g: GraphDocument, cluster: ClusterSpec, chosen: Mapping[str, S
                                              links, cost.overhead_s, cost.all_to_all), "forward", "loss")
     collectives = fwd + bwd + grad_sync
     communication = sum(c["cost_s"] for c in collectives)
-    peak, state, act, _ = memory.peak(nodes, dict(chosen))
+    peak, state, act, _ = memory.predict(nodes, dict(chosen))
     return {
         "schema_version": "1.0", "kind": "plan", "graph_fingerprint": g.fingerprint,
         "mesh": {"shape": list(mesh), "axis_names": list(cluster.axis_names)},

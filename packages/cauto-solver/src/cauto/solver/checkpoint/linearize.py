@@ -36,6 +36,7 @@ import math
 from collections.abc import Mapping
 
 import numpy as np
+
 from cauto.solver.checkpoint.chain import Chain
 
 DEFAULT_MAX_STAGES = 100

@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
 from cauto.solver.checkpoint.chain import Chain
 from cauto.solver.checkpoint.schedule import Region, Schedule, Stored
 

@@ -9,6 +9,7 @@ and saved/transient bytes; it needs no torch.
 from __future__ import annotations
 
 import numpy as np
+
 from cauto.plan import graph_fingerprint
 from cauto.solver.checkpoint.chain import Chain
 
