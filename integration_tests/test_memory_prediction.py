@@ -80,7 +80,7 @@ def _plans() -> list:
     return out
 
 
-def test_predicted_peak_matches_every_rank(tmp_path):
+def test_predicted_peak_matches_every_rank(tmp_path, monkeypatch):
     import torch.multiprocessing as mp
 
     from cauto.runtime.dist_utils import free_port
@@ -89,6 +89,10 @@ def test_predicted_peak_matches_every_rank(tmp_path):
     sharded = [p for n, _, p in cases if n == "llama-2x2"][0]
     assert any(e["src_placements"] != e["dst_placements"] for e in sharded["edges"])
     assert any(any(pl.startswith("S(") for pl in p["placements"]) for p in sharded["params"].values())
+    # spawned ranks unpickle _worker by this module's name (integration_tests.test_memory_prediction):
+    # the repository root must be importable there even when pytest was not started from it
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.syspath_prepend(root)  # spawn hands the parent's sys.path to its children
     ctx = mp.start_processes(_worker, args=(free_port(), cases, str(tmp_path)), nprocs=WORLD, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + TIMEOUT_S

@@ -9,9 +9,11 @@ non-zero: a failing rank never leaves the others hanging past the timeout.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 import traceback
+from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=120.0, help="collective timeout")
     parser.add_argument("--verify", action="store_true", help="print predicted vs executed collectives and peak memory")
+    parser.add_argument("--measured-out", help="where --verify writes its JSON report (default: PLAN.measured.json)")
     parser.add_argument("--batch", type=int, help="passed to the factory as batch= (as for cauto-profile)")
     parser.add_argument("--seq", type=int, help="passed to the factory as seq= (as for cauto-profile)")
     args = parser.parse_args(argv)
@@ -60,7 +63,17 @@ def main(argv: list[str] | None = None) -> int:
             if rank == 0:
                 print(f"step {step + 1}/{args.steps} loss {loss.item():.5f} time {time.perf_counter() - start:.3f} s", flush=True)
         if args.verify:
-            print(format_report(verify_step(model, inputs, opt), rank), flush=True)
+            report = verify_step(model, inputs, opt)
+            device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+            mine = torch.tensor([report["peak_bytes"]["measured"]], dtype=torch.int64, device=device)
+            every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(every, mine)
+            report["peak_bytes"]["measured_per_rank"] = [int(t.item()) for t in every]
+            if rank == 0:
+                print(format_report(report, rank), flush=True)
+                measured_path = Path(args.measured_out or Path(args.plan).with_suffix(".measured.json"))
+                measured_path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+                print(f"measured figures written to {measured_path} (cauto explain shows them)", flush=True)
         dist.barrier()
         dist.destroy_process_group()
         return 0

@@ -188,6 +188,10 @@ def format_report(report: dict, rank: int = 0) -> str:
     ratio = pk["measured"] / pk["predicted"] if pk["predicted"] else float("nan")
     lines.append(f"  peak bytes predicted {pk['predicted'] / 2**20:.1f} MiB  measured {pk['measured'] / 2**20:.1f} MiB "
                  f"(measured/predicted {ratio:.2f})")
+    if pk.get("measured_per_rank"):
+        per_rank = ", ".join(f"{m / 2**20:.2f}" for m in pk["measured_per_rank"])
+        worst = max(abs(m / pk["predicted"] - 1) for m in pk["measured_per_rank"]) if pk["predicted"] else float("nan")
+        lines.append(f"  peak bytes measured per rank [{per_rank}] MiB; worst |measured/predicted - 1| = {worst:.3f}")
     if report.get("hidden"):
         lines.append(f"  collectives DTensor runs inside ops (not plan edges): {report['hidden']}")
     if report["mismatches"]:

@@ -7,6 +7,7 @@ self-contained page with the memory timeline and the placement table as pictures
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -14,13 +15,43 @@ from cauto.cli.report_html import render_report
 from cauto.plan import DocumentError, load
 
 
+def measured_for(plan_path: str | Path) -> dict | None:
+    """The figures `cauto run --verify` wrote beside the plan (PLAN.measured.json), if any."""
+    path = Path(plan_path).with_suffix(".measured.json")
+    if not path.is_file():
+        return None
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+        return report if isinstance(report, dict) and "peak_bytes" in report else None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+
+
+def measured_lines(report: dict) -> list[str]:
+    """Predicted vs measured, as `cauto run --verify` found them."""
+    pk = report["peak_bytes"]
+    per_rank = pk.get("measured_per_rank") or [pk["measured"]]
+    lines = ["predicted vs measured (from cauto run --verify):",
+             f"  peak per rank: predicted {pk['predicted'] / 2**20:.2f} MiB, measured "
+             + ", ".join(f"{m / 2**20:.2f}" for m in per_rank) + " MiB"]
+    for phase in ("forward", "backward"):
+        got = report.get(phase, {})
+        for op in sorted(set(got.get("predicted", {})) | set(got.get("executed", {}))):
+            p, e = got["predicted"].get(op, 0), got["executed"].get(op, 0)
+            lines.append(f"  {phase:8s} {op:15s} predicted {p:3d} executed {e:3d} {'ok' if p == e else 'DIFF'}")
+    return lines
+
+
 def write_html(plan_path: str | Path, graph_path: str | Path | None, html_path: str | Path) -> Path:
     """Render the HTML report of a plan (and its graph) to ``html_path``; return the path."""
     plan = load(plan_path, "plan")
     graph = load(graph_path, "graph") if graph_path else None
+    report = measured_for(plan_path)
+    measured = {line.split(":")[0].strip(): line.split(":", 1)[1].strip()
+                for line in measured_lines(report)[1:] if ":" in line} if report else None
     html_path = Path(html_path)
     tmp = html_path.with_suffix(html_path.suffix + ".tmp")
-    tmp.write_text(render_report(plan, graph), encoding="utf-8")
+    tmp.write_text(render_report(plan, graph, measured), encoding="utf-8")
     tmp.replace(html_path)
     return html_path
 
@@ -38,8 +69,13 @@ def main(argv: list[str] | None = None) -> int:
     from cauto.solver.cli import main as solve_main
 
     rc = solve_main(["explain", args.plan])
-    if rc or not args.html:
+    if rc:
         return rc
+    report = measured_for(args.plan)
+    if report:
+        print("\n".join(measured_lines(report)))
+    if not args.html:
+        return 0
     try:
         path = write_html(args.plan, args.graph, args.html)
     except DocumentError as exc:
