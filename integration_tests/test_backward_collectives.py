@@ -93,6 +93,7 @@ def _run_step(model: str, plan_dict: dict) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from cauto.runtime.apply import apply
+    from cauto.runtime.verify import count_step_collectives
 
     plan = load_plan(plan_dict)
     factory = getattr(importlib.import_module("cauto.profiler.zoo"), model)
@@ -101,12 +102,7 @@ def _run_step(model: str, plan_dict: dict) -> dict:
     _, inputs = factory()
     args, kwargs = (((), inputs) if isinstance(inputs, dict) else
                     (tuple(inputs), {}) if isinstance(inputs, (tuple, list)) else ((inputs,), {}))
-    with torch.no_grad(), CommDebugMode() as fwd:
-        module(*args, **kwargs)
-    loss = module(*args, **kwargs)
-    with CommDebugMode() as bwd:
-        loss.backward()
-    buckets = list(module.grad_sync.last_buckets)
+    fwd, bwd, buckets, _ = count_step_collectives(module, args, kwargs)
     predicted = Counter((c.get("phase", "forward"), c["op"]) for c in plan.predictions["collectives"])
     sync_bytes = Counter()
     for c in plan.predictions["collectives"]:

@@ -304,18 +304,10 @@ class _Tracker(TorchDispatchMode):
         f.atexit = False
         self.live_bytes += n
         self.node_alloc[node] += n
-        self.events += 1
-        ev = (self.events, self.phase, node, self.live_bytes)
-        self.timeline.append(ev)
-        if self.live_bytes > self.peak:
-            self.peak = self.live_bytes
-            self.peak_event = ev
-        if self.live_bytes > self._win_max:
-            self._win_max = self.live_bytes
-        self._bump_phase()
+        self.register_peak(node)
 
     def register_peak(self, node: str | None) -> None:
-        """Note the current live bytes as a momentary high-water mark (no storage event)."""
+        """Note the current live bytes as an event (after an allocation, or a momentary high-water mark)."""
         self.events += 1
         ev = (self.events, self.phase, node, self.live_bytes)
         self.timeline.append(ev)

@@ -136,17 +136,24 @@ def allocation_peak(prof) -> int:
     return peak
 
 
-def verify_step(module, inputs: tuple[tuple, dict], optimizer: torch.optim.Optimizer) -> dict:
-    """Run one training step, checked; return predicted vs measured collectives and peak bytes."""
-    args, kwargs = inputs
-    # Forward collectives are counted in a no-grad forward: a graph recorded under CommDebugMode
-    # cannot be differentiated when it contains ops run locally on shards (ops.sdpa) in torch 2.13.
+def count_step_collectives(module, args: tuple, kwargs: dict):
+    """Run forward and backward once, counting collectives: (forward mode, backward mode, grad-sync buckets, loss).
+
+    Forward collectives are counted in a no-grad forward: a graph recorded under CommDebugMode cannot
+    be differentiated when it contains ops run locally on shards (ops.sdpa) in torch 2.13.
+    """
     with torch.no_grad(), CommDebugMode() as fwd:
         module(*args, **kwargs)
     loss = module(*args, **kwargs)
     with CommDebugMode() as bwd:
         loss.backward()
-    buckets = list(module.grad_sync.last_buckets)
+    return fwd, bwd, list(module.grad_sync.last_buckets), loss
+
+
+def verify_step(module, inputs: tuple[tuple, dict], optimizer: torch.optim.Optimizer) -> dict:
+    """Run one training step, checked; return predicted vs measured collectives and peak bytes."""
+    args, kwargs = inputs
+    fwd, bwd, buckets, loss = count_step_collectives(module, args, kwargs)
     optimizer.step()
     optimizer.zero_grad()
 
