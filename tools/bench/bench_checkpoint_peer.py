@@ -1,6 +1,6 @@
 """Peer benchmark: cauto's rotor checkpointing against torch's compile-time ``activation_memory_budget``.
 
-    python tools/bench/bench_checkpoint_peer.py [--budgets 1.0,0.7,0.5,0.3,0.1] [--steps 5]
+    python tools/bench/bench_checkpoint_peer.py [--budgets 1.0,0.7,0.5,0.3,0.1] [--steps 9]
                                                [--backend inductor|aot_eager] [--write]
 
 One small zoo model (``cauto.profiler.zoo.gpt``, fp32, CPU, one thread), real AdamW training steps:
@@ -202,7 +202,7 @@ def cauto_plans(fracs: list[float]):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budgets", default="1.0,0.7,0.5,0.3,0.1", help="budget points, comma-separated")
-    ap.add_argument("--steps", type=int, default=5, help="timed rounds (median)")
+    ap.add_argument("--steps", type=int, default=9, help="timed rounds (median)")
     ap.add_argument("--backend", default="inductor", help="torch.compile backend (aot_eager: same partitioner, "
                     "no inductor codegen)")
     ap.add_argument("--write", action="store_true", help="write the table to tools/bench/RESULTS.md")
@@ -246,8 +246,8 @@ def main() -> None:
         print(f"cauto planning FAILED: {cauto_error}", flush=True)
 
     runners = [eager] + [r for r in (*torch_runs.values(), *ours.values()) if isinstance(r, Runner)]
-    for _ in range(args.steps):  # alternate: every configuration steps once per round
-        for r in runners:
+    for k in range(args.steps):  # alternate: every configuration steps once per round, order reversed every
+        for r in runners if k % 2 == 0 else runners[::-1]:  # other round (no configuration always goes first)
             r.timed_step()
     peaks = {r.name: r.measured_peak() for r in runners}
     load1 = os.getloadavg()[0]
@@ -294,7 +294,7 @@ def main() -> None:
     notes = [
         f"`cauto.profiler.zoo.gpt({', '.join(f'{k}={v}' for k, v in MODEL.items())})`, fp32, CPU, 1 thread, "
         f"AdamW (foreach off, as on CPU by default); torch.compile backend `{args.backend}`; step times are medians of "
-        f"{args.steps} rounds with every configuration stepping once per round; peaks are of one steady-state step "
+        f"{args.steps} rounds with every configuration stepping once per round (order reversed every other round); peaks are of one steady-state step "
         "(allocator events, as cauto.profiler.ground_truth counts them).",
         f"Eager reference (no compile, no checkpointing): peak {peaks['eager'] / MIB:.1f} MiB, step "
         f"{eager.step_s * 1e3:.1f} ms."
@@ -311,14 +311,15 @@ def main() -> None:
         "baseline differs from both eager and compiled torch.",
         f"Machine: {os.cpu_count()} cores shared with other jobs; load average {load0:.1f} at start, {load1:.1f} at "
         f"end; step times carry that noise (alternation spreads it across configurations). torch compile + warm-up "
-        f"{min(compile_s, default=0):.0f}-{max(compile_s, default=0):.0f} s per budget; whole run {total:.0f} s.",
+        f"{min(compile_s, default=0):.0f}-{max(compile_s, default=0):.0f} s per budget (less when inductor's on-disk FX graph cache is already warm "
+        f"from an earlier run; about 30-50 s cold here); whole run {total:.0f} s.",
     ]
     table = "\n".join(rows)
     print("\n" + table + "\n\n" + "\n\n".join(n for n in notes if n))
     if args.write:
         command = "python tools/bench/bench_checkpoint_peer.py" + " ".join(
             [""] + [f"--budgets {args.budgets}"] * (args.budgets != ap.get_default("budgets"))
-            + [f"--steps {args.steps}"] * (args.steps != 5)
+            + [f"--steps {args.steps}"] * (args.steps != 9)
             + [f"--backend {args.backend}"] * (args.backend != "inductor") + ["--write"])
         rest = "\n\n".join(n for n in notes[1:] if n)
         replace_section(SECTION, f"Command: `{command}`\n\n{notes[0]}\n\n{table}\n\n{rest}")
