@@ -37,6 +37,39 @@ def test_explain_text_and_html(artifacts, cauto):
     assert res.returncode == 0, res.stderr
     page = (out / "r.html").read_text()
     assert page.startswith("<!doctype html>") and "<svg" in page and "<script" not in page
+    # the unsharded profile beside the plan's per-device view, both as inline SVG, with their numbers
+    plan = json.loads((out / "plan.json").read_text())
+    graph = json.loads((out / "graph.json").read_text())
+    peak_mib = f"{plan['predictions']['peak_bytes'] / 2**20:,.1f} MiB"
+    assert '<svg id="unsharded-memory"' in page and '<svg id="device-memory"' in page
+    device = page[page.index('<svg id="device-memory"'):]
+    device = device[:device.index("</svg>")]
+    assert f"predicted peak {peak_mib}" in device and "<polyline" in device
+    assert f"model state {plan['predictions']['model_state_bytes'] / 2**20:,.1f} MiB" in device
+    table = page[page.index("<table id='phase-peaks'>"):]
+    assert f"<td>backward</td><td>{graph['memory']['phases']['backward'] / 2**20:,.1f} MiB</td>" in table
+    assert peak_mib in table[:table.index("</table>")]
+
+
+def test_explain_html_marks_the_measured_peaks(artifacts, cauto, tmp_path):
+    """With PLAN.measured.json (what `cauto run --verify` writes) beside the plan, every rank's peak is a marker."""
+    out, _, _ = artifacts
+    plan = tmp_path / "plan.json"
+    plan.write_text((out / "plan.json").read_text())
+    predicted = json.loads(plan.read_text())["predictions"]["peak_bytes"]
+    per_rank = [predicted + 3 * 2**20, predicted + 5 * 2**20]
+    plan.with_suffix(".measured.json").write_text(json.dumps(
+        {"peak_bytes": {"predicted": predicted, "measured": per_rank[0], "measured_per_rank": per_rank},
+         "forward": {"predicted": {}, "executed": {}}, "backward": {"predicted": {}, "executed": {}}}))
+    for args in (("--graph", str(out / "graph.json")), ()):  # per-device timeline, or the prediction's parts
+        res = cauto("explain", str(plan), *args, "--html", str(tmp_path / "r.html"))
+        assert res.returncode == 0, res.stderr
+        page = (tmp_path / "r.html").read_text()
+        device = page[page.index('<svg id="device-memory"'):]
+        device = device[:device.index("</svg>")]
+        for rank, value in enumerate(per_rank):
+            assert f"<title>rank {rank}: measured {value / 2**20:,.1f} MiB</title>" in device
+        assert "measured per rank: " + ", ".join(f"{v / 2**20:.2f}" for v in per_rank) + " MiB" in device
 
 
 def test_codegen_writes_compilable_python(artifacts, cauto):

@@ -114,7 +114,9 @@ def measure_device(world: int, quick: bool) -> DeviceSpec:
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     print(f"device: {flops / 1e9:.1f} GFLOP/s, {bandwidth / 1e9:.1f} GB/s copy, floor {floor * 1e6:.1f} us, "
           f"{ram / world / 2**30:.1f} GiB per rank")
-    return DeviceSpec("cpu", int(ram // world), flops, bandwidth, floor, all_to_all=False)
+    # the chunk manager's device arena and its host buffers are both RAM here: copies are the host link
+    return DeviceSpec("cpu", int(ram // world), flops, bandwidth, floor, all_to_all=False,
+                      host_link_bandwidth_bytes_per_s=bandwidth)
 
 
 def main() -> int:

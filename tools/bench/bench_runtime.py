@@ -129,7 +129,7 @@ def worker(args) -> None:
         base = live_state_bytes(model, opts[name])
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
             step(name)
-        peaks[name] = base + allocation_peak(prof)
+        peaks[name] = base + allocation_peak(prof, steady_state=True)
     report = verify_step(models["cauto"][0], ((), models["cauto"][1]), opts["cauto"])
     gathered = [None] * WORLD
     dist.all_gather_object(gathered, peaks)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from cauto.plan import graph_fingerprint
+from cauto.plan import CURRENT_VERSION, graph_fingerprint
+from cauto.plan.versioning import format_version
 
 
 def sample_graph() -> dict:
@@ -31,7 +32,7 @@ def sample_graph() -> dict:
 
 def sample_plan(graph: dict) -> dict:
     return {
-        "schema_version": "1.0", "kind": "plan", "graph_fingerprint": graph["fingerprint"],
+        "schema_version": format_version(CURRENT_VERSION["plan"]), "kind": "plan", "graph_fingerprint": graph["fingerprint"],
         "mesh": {"shape": [2], "axis_names": ["dp"]},
         "cluster": {"name": "test", "axes": [{"latency_s": 1e-5, "bandwidth_bytes_per_s": 1e9}],
                     "device": {"memory_bytes": 1 << 30, "peak_flops": 1e11, "memory_bandwidth_bytes_per_s": 1e10}},

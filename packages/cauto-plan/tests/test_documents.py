@@ -160,3 +160,30 @@ def test_dump_writes_an_ordinary_readable_file(tmp_path, graph):
     os.umask(umask)
     assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
     assert [p.name for p in tmp_path.iterdir()] == ["g.json"]
+
+
+def test_plan_1_0_upgrades_to_1_1_unchanged(tmp_path, graph, plan):
+    """Plan 1.1 only adds optional fields (offload, the device's host link): a 1.0 plan reads as it was."""
+    old = copy.deepcopy(plan)
+    old["schema_version"] = "1.0"
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        p = load_plan(tmp_path / "old.json")
+    assert p.schema_version == "1.1" and p.offload is None
+    assert {**p.to_dict(), "schema_version": "1.0"} == old
+
+
+def test_plan_offload_section(tmp_path, plan):
+    plan["params"]["p_w"]["state"] = "chunked"
+    plan["cluster"]["device"]["host_link_bandwidth_bytes_per_s"] = 2.5e10
+    plan["offload"] = {"device_budget_bytes": 1 << 20, "chunk_elems": 4096, "mesh_axes": [0], "num_chunks": 2,
+                       "working_set_bytes": 49152, "arena_bytes": 1 << 19, "moved_bytes": 65536,
+                       "host_link_bandwidth_bytes_per_s": 2.5e10}
+    dump(plan, tmp_path / "p.json")
+    assert load_plan(tmp_path / "p.json").to_dict() == plan
+    bad = copy.deepcopy(plan)
+    del bad["offload"]["device_budget_bytes"]
+    with pytest.raises(DocumentError) as info:
+        check_document(bad, "plan")
+    assert info.value.path == "$.offload"

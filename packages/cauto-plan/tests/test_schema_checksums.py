@@ -47,3 +47,10 @@ def test_released_copies_match_their_checksums(kind):
     for version, digest in RECORDED[kind].items():
         text = (HERE / "released" / f"{kind}-{version}.schema.json").read_text()
         assert hashlib.sha256(text.encode()).hexdigest() == digest
+
+
+def test_plan_1_1_is_a_minor_bump_of_1_0():
+    old = json.loads((HERE / "released" / "plan-1.0.schema.json").read_text())
+    new = json.loads((HERE / "released" / "plan-1.1.schema.json").read_text())
+    bump, reasons = needed_bump(old, new)
+    assert bump == "minor", reasons

@@ -3,7 +3,8 @@
 Each job applies a plan to a zoo model on gloo and compares with the same model run in this process
 on one device (same initial state, same inputs): losses over 3 AdamW steps and the first step's
 gradients. It also counts the collectives of the first step, and can round-trip the state through
-torch.distributed.checkpoint or compare seed initialization with a single-device build.
+torch.distributed.checkpoint or compare seed initialization with a single-device build. A job with
+``check: "chunked"`` applies a plan with chunked state instead (``chunked_job``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ def run_job(job: dict, mesh, captures: dict) -> dict:
     if key not in captures:
         captures[key] = capture(fn)
     cap = captures[key]
+    if job.get("check") == "chunked":
+        return chunked_job(job, fn, cap, mesh)
     out: dict = {}
     if job.get("check") == "seed_init":
         torch.manual_seed(7)
@@ -100,6 +103,66 @@ def run_job(job: dict, mesh, captures: dict) -> dict:
         out["code_has_redistribute"] = "redistribute" in m.generated_code
         out["code_has_checkpoint"] = "checkpoint" in m.generated_code
     return out
+
+
+def _chunked_params(m) -> dict[str, torch.Tensor]:
+    """Every parameter's current value on every rank: all-gather every chunk group (a collective)."""
+    mgr = m.manager
+    mgr.begin_forward()
+    mgr.gather_groups(mgr.num_groups)
+    return {s.name: s.param.detach().clone() for s in mgr.layout.slots}
+
+
+def chunked_job(job: dict, fn, cap, mesh) -> dict:
+    """A plan with chunked state vs the same model trained in this process without chunks: per-step
+    losses, final parameters, and the chunk manager's figures (arena, traffic of the last step)."""
+    from cauto.profiler.capture import loss_of, split_inputs
+    from cauto.runtime.apply import apply
+    from cauto.runtime.chunked import ChunkedParallelModule
+
+    torch.manual_seed(0)
+    ref, inputs = fn()
+    ref.train()
+    state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    lr = job.get("lr", 1e-2)
+    m = apply(fn, job["plan"], mesh, state_dict=state, captured=cap,
+              optimizer=lambda mod: torch.optim.AdamW(mod.parameters(), lr=lr))
+    assert isinstance(m, ChunkedParallelModule), type(m)
+    args, kwargs = split_inputs(inputs)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=lr)
+    opt = m.optimizer
+    losses, ref_losses = [], []
+    steps = job.get("steps", 4)
+    for step in range(steps):
+        if step == steps - 1:
+            m.manager.mover.traffic.reset()
+        loss = m(*args, **kwargs)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = loss_of(ref(*args, **kwargs))
+        ref_loss.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        losses.append(float(loss))
+        ref_losses.append(float(ref_loss))
+    traffic = m.manager.mover.traffic.to_dict()
+    params = _chunked_params(m)
+    diffs = {n: float((params[n] - p.detach()).abs().max()) for n, p in ref.named_parameters()}
+    worst = max(diffs, key=diffs.get)
+    rel = float((params[worst] - ref.get_parameter(worst).detach()).norm() / ref.get_parameter(worst).detach().norm())
+    mgr = m.manager
+    return {"losses": losses, "ref_losses": ref_losses, "param_diff": diffs[worst], "worst_param": worst,
+            "param_diff_without_k_bias": max(v for n, v in diffs.items() if not n.endswith("attn.k.bias")),
+            "top_param_diffs": sorted(diffs.items(), key=lambda kv: -kv[1])[:5],
+            "param_rel_err": float(torch.sqrt(sum(((params[n] - p.detach()) ** 2).sum() for n, p in ref.named_parameters())
+                                              / sum((p.detach() ** 2).sum() for _, p in ref.named_parameters()))),
+            "worst_param_rel_err": rel, "traffic": traffic,
+            "arena_bytes": mgr.arena.nbytes, "nonmodel_peak_bytes": int(mgr.nonmodel_peak_bytes),
+            "pinned_peak_bytes": max(mgr.trace_pinned_bytes, default=0), "num_chunks": mgr.layout.num_chunks,
+            "chunk_elems": mgr.layout.chunk_elems, "world_size": mgr.world_size,
+            "optimizer_on_device": any(c.fixed for c in mgr.chunks.values()),
+            "local_batch": [int(t.shape[0]) for t in m._local(list(args) + list(kwargs.values()))]}
 
 
 def main() -> None:

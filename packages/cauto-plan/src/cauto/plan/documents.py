@@ -179,6 +179,7 @@ class PlanDocument:
     solver: dict
     grad_sync: list[dict] | None = None
     checkpoint: dict | None = None
+    offload: dict | None = None
     schema_version: str = format_version(CURRENT_VERSION["plan"])
     kind: str = "plan"
 
@@ -189,5 +190,5 @@ class PlanDocument:
 
     def to_dict(self) -> dict:
         order = ["schema_version", "kind", "graph_fingerprint", "mesh", "cluster", "nodes", "params",
-                 "edges", "grad_sync", "checkpoint", "predictions", "solver"]
+                 "edges", "grad_sync", "checkpoint", "offload", "predictions", "solver"]
         return _drop_none({k: getattr(self, k) for k in order})

@@ -18,10 +18,17 @@ from cauto.plan.errors import DocumentError, VersionError
 KINDS = ("graph", "plan")
 
 #: The version this cauto-plan writes, per document kind.
-CURRENT_VERSION: dict[str, tuple[int, int]] = {"graph": (1, 0), "plan": (1, 0)}
+CURRENT_VERSION: dict[str, tuple[int, int]] = {"graph": (1, 0), "plan": (1, 1)}
+
+
+def _plan_1_0_to_1_1(doc: dict) -> dict:
+    """Plan 1.1 adds optional fields only (``offload``, ``cluster.device.host_link_bandwidth_bytes_per_s``):
+    a 1.0 document is a valid 1.1 document as it is."""
+    return doc
+
 
 #: (kind, from_minor) -> function that turns a document of MAJOR.from_minor into MAJOR.from_minor+1.
-UPGRADERS: dict[tuple[str, int], Callable[[dict], dict]] = {}
+UPGRADERS: dict[tuple[str, int], Callable[[dict], dict]] = {("plan", 0): _plan_1_0_to_1_1}
 
 
 class NewerMinorVersionWarning(UserWarning):

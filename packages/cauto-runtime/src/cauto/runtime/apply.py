@@ -4,6 +4,9 @@ Order of work: capture the factory (the same capture as the profiler's, so node 
 plan's node ids), refuse a plan made for another graph or mesh, build the model with its
 parameters on meta, give each rank its own shards, rewrite the captured graph into the parallel
 program (``execute.build``), and install bucketed gradient synchronization (``grad_sync``).
+
+A plan whose parameters' state is "chunked" (the solver's offload) runs instead as chunked.py says:
+the model as written under the chunk manager, pure data parallelism (``ChunkedParallelModule``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from cauto.plan import MismatchError, PlanDocument, load_plan
 from cauto.profiler.capture import Capture, capture
 from cauto.runtime import execute
+from cauto.runtime.chunked import ChunkedParallelModule, apply_chunked
 from cauto.runtime.dist_utils import local_slices, to_placements
 from cauto.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradSync
 from cauto.runtime.materialize import build_skeleton, materialize
@@ -36,7 +40,7 @@ class ParallelModule(nn.Module):
     ``input_slices``); it returns the loss, replicated on every rank. ``state_dict()`` holds DTensors
     under the model's own names (``torch.distributed.checkpoint`` saves and loads it shard-wise).
     Attributes: ``plan``, ``predictions``, ``generated_code``, ``executable`` (redistributions,
-    mismatches), ``capture``, ``mesh``.
+    mismatches), ``capture``, ``mesh``, ``optimizer`` (what ``apply``'s ``optimizer`` factory built, or None).
     """
 
     def __init__(self, model: nn.Module, cap: Capture, plan: PlanDocument, mesh: DeviceMesh,
@@ -97,8 +101,9 @@ class ParallelModule(nn.Module):
         return out
 
 
-def check_fits(cap: Capture, plan: PlanDocument, mesh: DeviceMesh) -> None:
-    """Raise PlanMismatchError unless ``plan`` belongs to this capture, mesh and world size."""
+def check_fits(cap: Capture, plan: PlanDocument, mesh: DeviceMesh, *, chunked_ok: bool = False) -> None:
+    """Raise PlanMismatchError unless ``plan`` belongs to this capture, mesh and world size (and, unless
+    ``chunked_ok``, keeps every parameter's state on the device: the DTensor program)."""
     fingerprint = cap.fingerprint()
     if plan.graph_fingerprint != fingerprint:
         raise PlanMismatchError(
@@ -124,11 +129,11 @@ def check_fits(cap: Capture, plan: PlanDocument, mesh: DeviceMesh) -> None:
                 raise PlanMismatchError(f"plan.{section}[{node_id!r}] has a placement with other than {len(shape)} "
                                         f"entries (one per mesh axis of {shape}); the plan is malformed")
     offloaded = [entry["target"] for entry in plan.params.values() if entry.get("state", "device") != "device"]
-    if offloaded:
+    if offloaded and not chunked_ok:
         raise PlanMismatchError(
             f"the plan keeps the state of {len(offloaded)} parameters off the device (first: {offloaded[0]!r}, "
-            f"state {next(e['state'] for e in plan.params.values() if e['target'] == offloaded[0])!r}); apply does "
-            "not run chunked or host state yet: use cauto.runtime.chunks for offloading, or solve without it")
+            f"state {next(e['state'] for e in plan.params.values() if e['target'] == offloaded[0])!r}); there is no "
+            "DTensor program for chunked state: apply runs the model as written under the chunk manager (chunked.py)")
     missing = [n.name for n in cap.value_nodes() if n.name not in plan.nodes]
     if missing:
         raise PlanMismatchError(f"plan.nodes has no entry for {len(missing)} graph nodes (first: {missing[0]!r})")
@@ -137,7 +142,8 @@ def check_fits(cap: Capture, plan: PlanDocument, mesh: DeviceMesh) -> None:
 def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, mesh: DeviceMesh, *,
           state_dict: dict[str, torch.Tensor] | None = None, seed: int | None = None,
           bucket_bytes: int = DEFAULT_BUCKET_BYTES, check_placements: bool = True,
-          captured: Capture | None = None) -> ParallelModule:
+          captured: Capture | None = None,
+          optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None) -> ParallelModule | ChunkedParallelModule:
     """Return the model of factory ``model_or_fn`` parallelized per ``plan`` on ``mesh`` (this rank's part).
 
     ``model_or_fn``: the factory the plan was made from (``() -> (model, inputs)``); ``captured``: its
@@ -147,6 +153,10 @@ def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, 
     initialized per rank as ``cauto.runtime.materialize`` documents, from ``seed`` (None: rank 0's
     ``torch.initial_seed()``, shared with all ranks). ``check_placements``: compare DTensor's own
     placement choices with the plan before the first step (mismatches are fixed and reported).
+    ``optimizer``: a factory ``module -> torch optimizer``; the result's ``optimizer`` attribute is what it
+    built (None without it). For a plan with chunked state (chunked.py) the module is a
+    ChunkedParallelModule and ``optimizer`` is a ChunkedAdam built from the factory's class (Adam or
+    AdamW) and parameter groups (default AdamW's); train through ``model.optimizer`` in both cases.
     """
     plan = plan if isinstance(plan, PlanDocument) else load_plan(plan)
     if isinstance(model_or_fn, nn.Module):
@@ -154,9 +164,11 @@ def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, 
                         "model on the meta device and gives each rank only its shards")
     fn = model_or_fn
     cap = captured if captured is not None else capture(fn)
-    check_fits(cap, plan, mesh)
+    check_fits(cap, plan, mesh, chunked_ok=True)
     if seed is None and state_dict is None:
         seed = _shared_seed()
+    if any(e.get("state", "device") != "device" for e in plan.params.values()):
+        return apply_chunked(fn, cap, plan, mesh, seed=seed, state_dict=state_dict, optimizer=optimizer)
     model, _, fills = build_skeleton(fn)
     model.train()
     config = getattr(model, "config", None)
@@ -177,7 +189,9 @@ def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, 
         propagation = propagate(cap, mesh, ph, node_inputs=inputs, node_outputs=outputs)
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
     executable = execute.build(cap, plan, mesh, device, propagation)
-    return ParallelModule(model, cap, plan, mesh, executable, bucket_bytes)
+    module = ParallelModule(model, cap, plan, mesh, executable, bucket_bytes)
+    module.optimizer = optimizer(module) if optimizer is not None else None
+    return module
 
 
 def _shared_seed() -> int:
@@ -187,4 +201,4 @@ def _shared_seed() -> int:
     return int(seed[0])
 
 
-__all__ = ["ParallelModule", "PlanMismatchError", "apply"]
+__all__ = ["ChunkedParallelModule", "ParallelModule", "PlanMismatchError", "apply"]

@@ -23,13 +23,15 @@ CLUSTER = {"name": "test-cpu", "axes": [{"latency_s": 1e-5, "bandwidth_bytes_per
 
 def make_plan(cap: Capture, mesh, *, inputs: str, params: dict[str, str] | str | None = None,
               force: dict[str, list[str]] | None = None, checkpoint: list[dict] | None = None,
-              storage: str | None = None, peak_bytes: int = 0) -> dict:
+              storage: str | None = None, peak_bytes: int = 0, offload: dict | None = None) -> dict:
     """A valid plan document for ``cap`` on ``mesh``.
 
     ``inputs``: placement of every user input ("S(0),R"); ``params``: one placement for all
     parameters, or fqn -> placement (others, and all by default, replicated), as the forward uses
     them; ``storage``: where every parameter, its gradient and optimizer state live when that differs
     (ZeRO-3/FSDP: "S(0)", gathered for the forward, gradients reduce-scattered in backward); ``checkpoint``: plan.checkpoint.regions.
+    ``offload``: the plan's offload section (``device_budget_bytes``, ``chunk_elems``): every parameter's state
+    becomes "chunked" (data parallel plans only: chunked.py runs them).
     """
     axes = mesh.ndim
     rep = ",".join(["R"] * axes)
@@ -98,5 +100,9 @@ def make_plan(cap: Capture, mesh, *, inputs: str, params: dict[str, str] | str |
     }
     if checkpoint is not None:
         plan["checkpoint"] = {"method": "auto", "regions": checkpoint}
+    if offload is not None:
+        plan["offload"] = {"mesh_axes": list(range(axes)), **offload}
+        for entry in param_entries.values():
+            entry["state"] = "chunked"
     return check_document(plan, "plan")
 

@@ -4,6 +4,11 @@ Trains the model of factory TARGET ("pkg.module:fn") for K AdamW steps under the
 (CPU) or NCCL (CUDA), every rank passing the factory's example batch (global-batch mode). Process
 groups get a collective timeout, and a rank that fails prints its error and makes the job exit
 non-zero: a failing rank never leaves the others hanging past the timeout.
+
+The optimizer is the one ``apply`` builds (``model.optimizer``): torch's AdamW for a plan that keeps
+state on the device, the chunk manager's ChunkedAdam (AdamW arithmetic) for a plan with chunked
+state. ``--verify`` on a chunked plan reports the chunk manager's predicted vs measured host link
+bytes, arena and non-model peak instead of collectives.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     from cauto.profiler.capture import split_inputs
     from cauto.profiler.target import bind_sizes, load_target
     from cauto.runtime.apply import apply
+    from cauto.runtime.chunked import ChunkedParallelModule, chunk_report, format_chunk_report
     from cauto.runtime.dist_utils import init_distributed, make_mesh
     from cauto.runtime.verify import format_report, verify_step
 
@@ -48,21 +54,26 @@ def main(argv: list[str] | None = None) -> int:
         plan = load_plan(args.plan)
         mesh = make_mesh(plan.mesh["shape"], plan.mesh["axis_names"])
         fn = bind_sizes(load_target(args.target), {"batch": args.batch, "seq": args.seq})
-        model = apply(fn, plan, mesh, seed=args.seed)
+        model = apply(fn, plan, mesh, seed=args.seed,
+                      optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=args.lr))
         torch.manual_seed(args.seed)
         with torch.device("cpu"):
             _, example = fn()
         inputs = split_inputs(example)
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        opt = model.optimizer
         for step in range(args.steps):
             start = time.perf_counter()
             loss = model(*inputs[0], **inputs[1])
             loss.backward()
             opt.step()
             opt.zero_grad()
-            if rank == 0:
+            if rank == 0:  # `cauto run` draws its step bar from this line (cauto.cli.run.STEP_LINE)
                 print(f"step {step + 1}/{args.steps} loss {loss.item():.5f} time {time.perf_counter() - start:.3f} s", flush=True)
-        if args.verify:
+        if args.verify and isinstance(model, ChunkedParallelModule):
+            report = chunk_report(model, inputs)
+            if rank == 0:
+                print(format_chunk_report(report, rank), flush=True)
+        elif args.verify:
             report = verify_step(model, inputs, opt)
             device = "cuda" if dist.get_backend() == "nccl" else "cpu"
             mine = torch.tensor([report["peak_bytes"]["measured"]], dtype=torch.int64, device=device)

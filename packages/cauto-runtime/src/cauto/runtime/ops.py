@@ -17,11 +17,37 @@ from cauto.runtime.dist_utils import local_slices, placements_text, to_placement
 
 
 def redistribute(x: DTensor, mesh: DeviceMesh, placements: str) -> DTensor:
-    """``x`` redistributed to ``placements`` (a plan edge): all-gather, all-reduce, reduce-scatter..."""
+    """``x`` redistributed to ``placements`` (a plan edge): all-gather, all-reduce, reduce-scatter...
+
+    The gradient that flows back through it gets ``x``'s memory layout (_GradLayoutOfInput): a
+    collective returns contiguous tensors, and an op upstream may view the gradient as only ``x``'s
+    strides allow (a transposed attention input whose backward ends in ``view``)."""
     target = to_placements(placements)
     if tuple(x.placements) == target:
         return x
+    if x.requires_grad and not x._local_tensor.is_contiguous():
+        x = _GradLayoutOfInput.apply(x)
     return x.redistribute(mesh, target)
+
+
+class _GradLayoutOfInput(torch.autograd.Function):
+    """Identity forward; backward copies the gradient's local tensor into the input's strides."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.stride = x._local_tensor.stride()
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if isinstance(grad, DTensor) and grad._local_tensor.stride() != ctx.stride:
+            local = grad._local_tensor
+            if len(ctx.stride) == local.dim():
+                laid = torch.empty_strided(local.shape, ctx.stride, dtype=local.dtype, device=local.device)
+                laid.copy_(local)
+                grad = DTensor.from_local(laid, grad.device_mesh, grad.placements, run_check=False,
+                                          shape=grad.shape, stride=grad.stride())
+        return grad
 
 
 class _ReduceGrad(torch.autograd.Function):
@@ -179,9 +205,12 @@ def checkpointed(region: torch.nn.Module, *args):
     """Run a checkpoint region (a sub-GraphModule) under non-reentrant ``torch.utils.checkpoint``.
 
     Its forward is called directly, not through ``nn.Module.__call__``, so module hooks (and
-    CommDebugMode's module tracker) do not run again when backward recomputes it.
+    CommDebugMode's module tracker) do not run again when backward recomputes it. Early stop is
+    off: backward recomputes the whole region, every node and redistribution of it, as the plan
+    predicts (its recompute time and collectives), not only up to the last tensor backward needs.
     """
-    return torch.utils.checkpoint.checkpoint(region.forward, *args, use_reentrant=False)
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+        return torch.utils.checkpoint.checkpoint(region.forward, *args, use_reentrant=False)
 
 #: loss ops whose DTensor backward needs ``to_local_loss(rescale_avg_grad=True)``
 RESCALE_AVG_LOSSES = {torch.ops.aten.mse_loss.default}

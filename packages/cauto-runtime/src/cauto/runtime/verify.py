@@ -12,9 +12,8 @@
   ``zero_grad``), buffers, optimizer state, and this rank's shard of the input batch as the plan
   places it (in global-batch mode the caller also holds the rest of the batch: the caller's data,
   not counted). In multi-process gloo runs a tensor freed on a gloo worker thread has no free
-  event (ENVIRONMENT.md); ``allocation_peak`` treats a new allocation at a still-live address as
-  proof of that free, and the step is measured twice, keeping the lower peak (a missed free can
-  only add bytes). On CUDA, ``torch.cuda.max_memory_allocated``.
+  event (ENVIRONMENT.md); ``allocation_peak`` dates such frees (see there), and the step is
+  measured twice, keeping the lower peak (a missed free can only add bytes). On CUDA, ``torch.cuda.max_memory_allocated``.
 """
 
 from __future__ import annotations
@@ -95,15 +94,18 @@ def measured_peak_bytes(step, module, optimizer, repeats: int = 2) -> int:
         base = live_state_bytes(module, optimizer) + input_shard_bytes(module)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
             step()
-        peaks.append(base + allocation_peak(prof))
+        peaks.append(base + allocation_peak(prof, steady_state=True))
     return min(peaks)
 
 
-def allocation_peak(prof) -> int:
+def allocation_peak(prof, steady_state: bool = False) -> int:
     """Peak of bytes allocated and still live during a profiled region, from its allocation events.
 
-    A free that happened on a gloo worker thread is not reported, so a block counts as freed as soon
-    as a new allocation reuses its address (the allocator cannot hand out a live address). Uses the
+    A free that happened on a gloo worker thread is not reported. A block without a free event was
+    freed on another thread: when its address is handed out again (the allocator cannot hand out a
+    live address), or, with ``steady_state`` (a training step: nothing allocated in it outlives it),
+    still live when the region ends. Such a block counts as freed when the outermost op that allocated it returned
+    (the collective's work, which holds it, is done by then), or at the reuse if that came first. Uses the
     profiler's event tree (private in torch 2.13: ``experimental_event_tree``); falls back to summing
     the public ``[memory]`` events, which over-counts such blocks.
     """
@@ -111,29 +113,49 @@ def allocation_peak(prof) -> int:
         from torch._C._profiler import _EventType
 
         allocations = []
-        stack = list(prof.profiler.kineto_results.experimental_event_tree())
+        stack = [(root, root.end_time_ns) for root in prof.profiler.kineto_results.experimental_event_tree()]
         while stack:
-            node = stack.pop()
-            stack.extend(node.children)
+            node, outer_end_ns = stack.pop()
+            stack.extend((child, outer_end_ns) for child in node.children)
             if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
-                allocations.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size))
+                allocations.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size,
+                                    outer_end_ns))
     except (AttributeError, ImportError, RuntimeError):
         live = peak = 0
         for e in sorted((e for e in prof.events() if e.name == "[memory]"), key=lambda e: e.time_range.start):
             live += e.cpu_memory_usage
             peak = max(peak, live)
         return peak
-    blocks: dict[int, int] = {}
-    live = peak = 0
-    for _, ptr, size in sorted(allocations):
+    allocations.sort(key=lambda a: a[0])
+    # match every allocation with its free: a free event on this thread, or none (freed elsewhere)
+    frees: list[tuple[int, int, int]] = []  # (time, ptr, -size)
+    open_at: dict[int, int] = {}  # ptr -> index of the live allocation there
+    for i, (t, ptr, size, _) in enumerate(allocations):
         if size > 0:
-            live -= blocks.pop(ptr, 0)
-            blocks[ptr] = size
-            live += size
-            peak = max(peak, live)
-        elif ptr in blocks:
-            live -= blocks.pop(ptr)
+            if ptr in open_at:  # reused without a free event: that block was freed on another thread
+                frees.append((_implicit_free_ns(allocations[open_at[ptr]], t), ptr, -allocations[open_at[ptr]][2]))
+            open_at[ptr] = i
+        elif ptr in open_at:
+            frees.append((t, ptr, -allocations[open_at.pop(ptr)][2]))
+    for ptr, i in open_at.items():  # never freed here: in a steady-state step, freed on another thread
+        if steady_state and allocations[i][3] > 0:
+            frees.append((_implicit_free_ns(allocations[i], None), ptr, -allocations[i][2]))
+    events = [(t, ptr, size) for t, ptr, size, _ in allocations if size > 0] + frees
+    events.sort(key=lambda e: (e[0], e[2] > 0))
+    live = peak = 0
+    for _, _, size in events:
+        live += size
+        peak = max(peak, live)
     return peak
+
+
+def _implicit_free_ns(allocation: tuple[int, int, int, int], reused_ns: int | None) -> int:
+    """When a block freed on another thread (no free event) was freed: when the outermost op that
+    allocated it returned (a collective's work, which holds it, is done by then), or when its address
+    was handed out again, whichever came first."""
+    start_ns, _, _, outer_end_ns = allocation
+    end = outer_end_ns if outer_end_ns > start_ns else start_ns
+    return min(end, reused_ns) if reused_ns is not None else end
 
 
 def count_step_collectives(module, args: tuple, kwargs: dict):
@@ -153,16 +175,18 @@ def count_step_collectives(module, args: tuple, kwargs: dict):
 def verify_step(module, inputs: tuple[tuple, dict], optimizer: torch.optim.Optimizer) -> dict:
     """Run one training step, checked; return predicted vs measured collectives and peak bytes."""
     args, kwargs = inputs
-    fwd, bwd, buckets, loss = count_step_collectives(module, args, kwargs)
-    optimizer.step()
-    optimizer.zero_grad()
 
     def step():
         module(*args, **kwargs).backward()
         optimizer.step()
         optimizer.zero_grad()
 
+    # memory first: a step counted under CommDebugMode leaves the next steps' allocations ~8% higher
+    # on a checkpointed plan (measured), an effect of the debug mode, not of the plan
     peak = measured_peak_bytes(step, module, optimizer)
+    fwd, bwd, buckets, loss = count_step_collectives(module, args, kwargs)
+    optimizer.step()
+    optimizer.zero_grad()
     plan = module.plan
     predicted_sync = [c for c in plan.predictions["collectives"] if c.get("phase") == "grad_sync"]
     return {

@@ -1,7 +1,8 @@
 """`cauto-solve`: plan a graph document on a mesh, or explain a plan.
 
     cauto-solve GRAPH --mesh 2x4 [--axis-names dp,tp] [--cluster FILE|PRESET] [--memory 70GiB]
-                [--checkpoint none|auto|rotor|chen] [--solver cbc|highs] [--time-limit S] -o plan.json
+                [--checkpoint none|auto|rotor|chen] [--offload none|auto|chunked] [--solver cbc|highs]
+                [--time-limit S] -o plan.json
     cauto-solve explain PLAN [--graph GRAPH]
 
 Bad input (invalid documents, a bad mesh, an unknown preset) exits with status 2 and one line on
@@ -19,6 +20,7 @@ import sys
 from cauto.plan import DocumentError, dump, load, load_graph
 from cauto.solver.cluster import PRESETS, cluster_for_mesh, parse_mesh
 from cauto.solver.errors import InfeasibleBudgetError, SolverError
+from cauto.solver.offload import OFFLOAD_MODES
 from cauto.solver.summary import explain, summary
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -48,6 +50,9 @@ def _solve_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", help="per-device memory budget, e.g. 70GiB (default: the device's memory)")
     p.add_argument("--checkpoint", default="none", choices=["none", "auto", "rotor", "chen"],
                    help="activation checkpointing: none, or solved jointly with sharding (auto picks rotor or chen)")
+    p.add_argument("--offload", default="none", choices=list(OFFLOAD_MODES),
+                   help="hand data-parallel model state to the runtime's chunk manager (host offload, ZeRO): "
+                        "auto only when no plan fits on the device, chunked always")
     p.add_argument("--solver", default="cbc", choices=["cbc", "highs"])
     p.add_argument("--time-limit", type=float, default=60.0, help="solver time limit in seconds")
     p.add_argument("-o", "--output", required=True, help="where to write the plan document")
@@ -61,8 +66,9 @@ def _explain_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of `cauto-solve`; returns the exit status."""
+def main(argv: list[str] | None = None, progress=None) -> int:
+    """Entry point of `cauto-solve`; returns the exit status. ``progress(phase, done, total)``, when
+    given, follows the solve (cauto/solver/progress.py; the `cauto` command draws it)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if argv and argv[0] == "explain":
@@ -81,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         budget = parse_bytes(args.memory) if args.memory else None
         graph = load_graph(args.graph)
         plan = make_plan(graph, cluster, memory_budget=budget, checkpoint=args.checkpoint,
-                         time_limit_s=args.time_limit, solver=args.solver)
+                         time_limit_s=args.time_limit, solver=args.solver, progress=progress,
+                         offload=args.offload)
         dump(plan, args.output)
         print(summary(plan))
         if "checkpoint" in plan:

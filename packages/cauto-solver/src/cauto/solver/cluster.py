@@ -3,7 +3,7 @@
 A spec file (JSON, written by ``tools/calibrate.py`` or by hand) describes hardware, not a mesh::
 
     {"name": "...", "device": {"name", "memory_bytes", "peak_flops", "memory_bandwidth_bytes_per_s",
-     "kernel_floor_s"}, "devices_per_node": 8,
+     "kernel_floor_s", "host_link_bandwidth_bytes_per_s"}, "devices_per_node": 8,
      "intra_node": {"latency_s", "bandwidth_bytes_per_s"}, "inter_node": {...}}
 
 ``cluster_for_mesh`` maps it onto a mesh: mesh axes are laid out row-major over the devices, so the
@@ -40,6 +40,10 @@ class AxisLink:
         return {"latency_s": self.latency_s, "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s}
 
 
+#: host<->device copy bandwidth of a device whose spec does not say (PCIe 4.0 x16, achievable)
+DEFAULT_HOST_LINK_BANDWIDTH_BYTES_PER_S = 25e9
+
+
 @dataclass(frozen=True)
 class DeviceSpec:
     """One accelerator (or CPU process): memory and roofline numbers."""
@@ -54,15 +58,24 @@ class DeviceSpec:
     """least time of any kernel launch (dispatch overhead)"""
     all_to_all: bool = True
     """whether DTensor can use all-to-all here (False on CPU/gloo: it falls back to all-gather)"""
+    host_link_bandwidth_bytes_per_s: float | None = None
+    """bytes per second one device copies to or from host memory (PCIe, NVLink-C2C), what offloaded
+    (chunked) model state moves over; None: ``min(memory_bandwidth_bytes_per_s, DEFAULT_HOST_LINK_BANDWIDTH_BYTES_PER_S)``"""
 
     def __post_init__(self):
         if self.memory_bytes <= 0 or self.peak_flops <= 0 or self.memory_bandwidth_bytes_per_s <= 0:
             raise SolverError(f"device {self.name!r} needs positive memory_bytes, peak_flops and bandwidth")
+        if self.host_link_bandwidth_bytes_per_s is None:
+            object.__setattr__(self, "host_link_bandwidth_bytes_per_s", min(
+                self.memory_bandwidth_bytes_per_s, DEFAULT_HOST_LINK_BANDWIDTH_BYTES_PER_S))
+        if self.host_link_bandwidth_bytes_per_s <= 0:
+            raise SolverError(f"device {self.name!r} needs a positive host_link_bandwidth_bytes_per_s")
 
     def to_dict(self) -> dict:
         return {"name": self.name, "memory_bytes": int(self.memory_bytes), "peak_flops": self.peak_flops,
                 "memory_bandwidth_bytes_per_s": self.memory_bandwidth_bytes_per_s,
-                "kernel_floor_s": self.kernel_floor_s}
+                "kernel_floor_s": self.kernel_floor_s,
+                "host_link_bandwidth_bytes_per_s": self.host_link_bandwidth_bytes_per_s}
 
     def to_spec_dict(self) -> dict:
         """What a spec file holds (the plan's cluster.device plus ``all_to_all``)."""
@@ -133,18 +146,24 @@ class HardwareSpec:
 
 _GIB = 1 << 30
 #: Hardware presets. GPU numbers: dense bf16 peak at ~70% achievable, NVLink per-direction bus bandwidth,
-#: one 400 Gb/s InfiniBand NIC per GPU. "cpu-gloo" is the 2-core development machine with 4 gloo ranks
+#: one 400 Gb/s InfiniBand NIC per GPU, host link PCIe 4.0 x16 (A100, 25 GB/s achievable) or 5.0 x16
+#: (H100/H200 SXM, 50 GB/s). "cpu-gloo" is the 2-core development machine with 4 gloo ranks
 #: on loopback, rounded from tools/calibrate.py runs on a busy machine (alpha 0.7-0.85 ms, 0.12-0.28
-#: GB/s, 28-38 GFLOP/s per single-threaded rank, 2.4-6 GB/s copies) with DTensor's per-op dispatch
-#: (tens of us) as the kernel floor; run tools/calibrate.py to measure the machine you are on.
+#: GB/s, 28-38 GFLOP/s per single-threaded rank, 2.4-6 GB/s copies, also its "host link": the chunk
+#: arena and host buffers are both RAM) with DTensor's per-op dispatch (tens of us) as the kernel
+#: floor; run tools/calibrate.py to measure the machine you are on.
 PRESETS: dict[str, HardwareSpec] = {
-    "cpu-gloo": HardwareSpec("cpu-gloo", DeviceSpec("cpu", 24 * _GIB, 3.0e10, 4.0e9, 2e-5, all_to_all=False),
+    "cpu-gloo": HardwareSpec("cpu-gloo", DeviceSpec("cpu", 24 * _GIB, 3.0e10, 4.0e9, 2e-5, all_to_all=False,
+                                                    host_link_bandwidth_bytes_per_s=4.0e9),
                              AxisLink(5e-4, 2.5e8), AxisLink(5e-4, 2.5e8), 1 << 30),
-    "a100": HardwareSpec("a100-80g-nvlink-ib", DeviceSpec("A100-80GB", 80 * _GIB, 220e12, 1.6e12, 5e-6),
+    "a100": HardwareSpec("a100-80g-nvlink-ib", DeviceSpec("A100-80GB", 80 * _GIB, 220e12, 1.6e12, 5e-6,
+                                                          host_link_bandwidth_bytes_per_s=25e9),
                          AxisLink(5e-6, 230e9), AxisLink(1e-5, 23e9), 8),
-    "h100": HardwareSpec("h100-80g-nvlink-ib", DeviceSpec("H100-80GB", 80 * _GIB, 600e12, 2.6e12, 4e-6),
+    "h100": HardwareSpec("h100-80g-nvlink-ib", DeviceSpec("H100-80GB", 80 * _GIB, 600e12, 2.6e12, 4e-6,
+                                                          host_link_bandwidth_bytes_per_s=50e9),
                          AxisLink(4e-6, 360e9), AxisLink(1e-5, 45e9), 8),
-    "h200": HardwareSpec("h200-141g-nvlink-ib", DeviceSpec("H200-141GB", 141 * _GIB, 600e12, 3.8e12, 4e-6),
+    "h200": HardwareSpec("h200-141g-nvlink-ib", DeviceSpec("H200-141GB", 141 * _GIB, 600e12, 3.8e12, 4e-6,
+                                                           host_link_bandwidth_bytes_per_s=50e9),
                          AxisLink(4e-6, 360e9), AxisLink(1e-5, 45e9), 8),
 }
 

@@ -24,6 +24,7 @@ on the parameter's and the consumer's choice together, so it is a matrix in ``pa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -64,7 +65,7 @@ class Problem:
     step_terms: list[StepTerms] = field(default_factory=list)
     #: (a, b) -> the saved-bytes matrices of gathered parameters joining variables a < b (memory.py)
     pair_mem: dict[tuple[int, int], list[np.ndarray]] = field(default_factory=dict)
-    #: bytes the backward's start adds to everything saved (memory.backward_extra_bytes), per option
+    #: per node: bytes its backward adds to everything saved (memory.backward_extra_bytes), per option
     backward_terms: list[tuple[int, np.ndarray]] = field(default_factory=list)
     #: bytes of gradients at the end of backward (memory.grad_end_bound), per option of a parameter
     grad_terms: list[tuple[int, np.ndarray]] = field(default_factory=list)
@@ -116,15 +117,20 @@ def _labels_key(n: GraphNode):
     return None if lab is None else (lab.inputs, lab.outputs, lab.reduce, lab.whole)
 
 
-def enumerate_strategies(graph: GraphDocument, mesh_shape: tuple[int, ...],
-                         axis_names: tuple[str, ...]) -> dict[str, list[Strategy]]:
-    """Strategies of every non-output node, generated once per distinct (kind, op, labels, shapes)."""
+def enumerate_strategies(graph: GraphDocument, mesh_shape: tuple[int, ...], axis_names: tuple[str, ...],
+                         progress: Callable[[str, int, int], None] | None = None) -> dict[str, list[Strategy]]:
+    """Strategies of every non-output node, generated once per distinct (kind, op, labels, shapes).
+
+    ``progress("strategies", done, total)`` hears each node done."""
     by_id = graph.node_map()
     cache: dict = {}
     out: dict[str, list[Strategy]] = {}
+    total = sum(n.kind != "output" for n in graph.nodes)
     for n in graph.nodes:
         if n.kind == "output":
             continue
+        if progress is not None:
+            progress("strategies", len(out), total)
         shapes = _in_shapes(n, by_id)
         key = (n.kind, n.op, _labels_key(n), tuple(shapes), tuple(tuple(o.shape) for o in n.outputs))
         if key not in cache:
@@ -133,6 +139,8 @@ def enumerate_strategies(graph: GraphDocument, mesh_shape: tuple[int, ...],
             else:
                 cache[key] = placeholder_strategies(n, mesh_shape, axis_names)
         out[n.id] = cache[key]
+    if progress is not None:
+        progress("strategies", len(out), total)
     return out
 
 
@@ -171,8 +179,11 @@ def _layer_signatures(nodes: list[GraphNode]) -> dict[str, str]:
 
 
 def build_problem(graph: GraphDocument, strategies: dict[str, list[Strategy]], cost: CostModel,
-                  memory: MemoryModel, *, follow: bool = True, share_layers: bool = True) -> Problem:
-    """Map nodes to variables and collect their costs and memory terms (module docstring)."""
+                  memory: MemoryModel, *, follow: bool = True, share_layers: bool = True,
+                  progress: Callable[[str, int, int], None] | None = None) -> Problem:
+    """Map nodes to variables and collect their costs and memory terms (module docstring).
+
+    ``progress("costs", done, total)`` hears each node done."""
     nodes = [n for n in graph.nodes if n.kind != "output"]
     by_id = {n.id: n for n in nodes}
     rg = tensor_requires_grad(nodes, cost.train)
@@ -226,7 +237,9 @@ def build_problem(graph: GraphDocument, strategies: dict[str, list[Strategy]], c
         mats.append(m)
         step.pair_saved.append((a, b, len(mats) - 1))
 
-    for n in nodes:
+    for done, n in enumerate(nodes):
+        if progress is not None:
+            progress("costs", done, len(nodes))
         strats = strategies[n.id]
         leader = None
         if follow and is_light(n) and len(strats) > 1:
@@ -287,6 +300,8 @@ def build_problem(graph: GraphDocument, strategies: dict[str, list[Strategy]], c
             extra = np.array([memory.backward_extra_bytes(n, strats[i]) for i in idx], dtype=float)
             if extra.any():
                 p.backward_terms.append((v, extra))
+    if progress is not None:
+        progress("costs", len(nodes), len(nodes))
     # single-option variables and separable matrices fold into node costs (pairs with memory terms stay)
     for key in p.pair_mem:
         pair.setdefault(key, np.zeros((p.var_sizes[key[0]], p.var_sizes[key[1]])))

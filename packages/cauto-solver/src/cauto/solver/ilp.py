@@ -13,7 +13,7 @@ Constraints
     c_k = c_{k−1} + Σ_{ops i in (t_{k−1}, t_k]} (saved_i · x + gathered_i · e)      (cumulative saved bytes;
           gathered: parameter copies an op saves after an all-gather, a function of the pair)
     Σ_params state · x + c_k + transient_{t_k} · x ≤ M   at every check point t_k (Alpa's per-step peak)
-    Σ_params state · x + c_last + backward_extra · x ≤ M  (backward start: loss gradients on top of all saved)
+    Σ_params state · x + c_last + backward_extra_n · x_n ≤ M   (backward: per node n that adds bytes there)
     Σ_params (state + 2 · grad) · x ≤ M                  (end of backward: gradients and their synced copies)
 Objective (seconds; handed to the solver in microseconds, with a relative gap of 1e-9, so that
 differences of well under a microsecond still decide)
@@ -143,9 +143,9 @@ def build(problem: Problem, memory_budget: int | None, *, minimize_peak: bool = 
             prev, pending = c, []
         if prev is None:
             prob += state <= limit, "mem_state"
-        if problem.backward_terms and prev is not None:
-            extra = _expr([t for v, coef in problem.backward_terms for t in _dot(coef * MEM_SCALE, x[v])])
-            prob += state + prev + extra <= limit, "mem_backward"
+        if prev is not None:  # one check per node whose backward adds bytes (memory.backward_extra_bytes)
+            for i, (v, coef) in enumerate(problem.backward_terms):
+                prob += state + prev + _expr(_dot(coef * MEM_SCALE, x[v])) <= limit, f"mem_backward_{i}"
         if problem.grad_terms:
             grads = _expr([t for v, coef in problem.grad_terms for t in _dot(coef * MEM_SCALE, x[v])])
             prob += state + grads <= limit, "mem_grads"

@@ -17,10 +17,13 @@ a training step after the optimizer state exists):
   embeddings save only their indices and are exempt). An activation that a matmul-like consumer
   takes through a redistribution is saved at the consumer's placement instead of the producer's
   (``predict`` only; the ILP's ``peak`` keeps the producer's).
-* Backward start: ``state + Σ saved + backward_extra``: the gradients the loss's backward creates
-  while all saved tensors are still alive. Taken from the graph's memory section (the unsharded
-  run's backward peak minus what the model above holds there), at the node where that peak
-  happens, divided by that node's shard factor.
+* Backward: ``state + Σ saved + max_n backward_extra_n``: what the backward of node ``n`` adds on top
+  of everything saved (gradients of activations and parameters it creates, less the saved tensors
+  already freed). Taken from the graph's memory section: for every backward event of the unsharded
+  run, its live bytes minus what the model above holds (state + all saved), kept per node (the
+  largest), divided by that node's shard factor. One node per event, not only the unsharded peak:
+  a sharding changes where the backward peaks (a replicated loss head whose logits' gradients peak
+  at the backward's start beats a sharded MLP whose gradients peak in the middle).
 * End of backward (gradient synchronization): ``state + Σ_params grad_computed + Σ_synced grad_stored``:
   every gradient as autograd produced it (the consumer's gradient placement: full size for a
   gathered parameter) plus, for gradients that need synchronization, the flat bucket (or the
@@ -65,10 +68,9 @@ class MemoryModel:
         self.opt_bytes_per_elem = OPTIMIZER_BYTES_PER_ELEM.get(optimizer, 8) if train else 0
         #: kept for callers that scale activations (checkpoint planning); 1.0: the model is not fitted
         self.activation_scale = 1.0
-        #: unsharded bytes the backward's first steps add on top of everything saved (module doc)
-        self.backward_extra = 0
-        #: node at whose backward that peak happens (its strategy's shard factor divides the extra)
-        self.backward_node: str | None = None
+        #: node id -> unsharded bytes its backward adds on top of everything saved (module doc); the
+        #: node's strategy's shard factor divides them
+        self.backward_extras: dict[str, int] = {}
         #: unsharded temporaries of the optimizer step, and the largest parameter's bytes they scale with
         self.optimizer_extra = 0
         self._largest_param = 0
@@ -113,10 +115,9 @@ class MemoryModel:
         return int(node.transient_bytes * self.activation_scale) // strategy.shard_factor
 
     def backward_extra_bytes(self, node: GraphNode, strategy: Strategy) -> int:
-        """The backward-start extra (module doc), per device, when ``node`` is where it happens."""
-        if not self.train or node.id != self.backward_node or not self.backward_extra:
-            return 0
-        return self.backward_extra // max(1, strategy.shard_factor)
+        """What the backward of ``node`` adds to everything saved (module doc), per device."""
+        extra = self.backward_extras.get(node.id, 0) if self.train else 0
+        return extra // max(1, strategy.shard_factor)
 
     def grad_end_bound(self, node: GraphNode, strategy: Strategy) -> int:
         """ILP bound of a parameter's gradient bytes at the end of backward: computed + synchronized copy."""
@@ -187,7 +188,7 @@ class MemoryModel:
                 src = by_id.get(split_ref(ref)[0])
                 if src is not None and src.kind == "param" and k < len(s.inputs):
                     cum += self.gathered_bytes(n, src, owner_pl(src), s.inputs[k])
-            bwd_extra += self.backward_extra_bytes(n, s)
+            bwd_extra = max(bwd_extra, self.backward_extra_bytes(n, s))
             live = cum + self.transient_bytes(n, s)
             if live >= best:
                 best, best_t = live, t
@@ -262,8 +263,8 @@ class MemoryModel:
         ``memory`` is the graph document's ``memory`` (peak_bytes, phases, timeline); with only
         ``measured_peak`` the backward extra is the part of that peak the model above lacks."""
         self.activation_scale = 1.0
-        self.backward_extra = self.optimizer_extra = 0
-        self.backward_node = None
+        self.optimizer_extra = 0
+        self.backward_extras = {}
         memory = dict(memory or {})
         phases = memory.get("phases") or {}
         if not self.train:
@@ -274,24 +275,35 @@ class MemoryModel:
         saved = sum(self.saved_bytes(n, replicated[n.id]) for n in ops)
         grads = sum(self.grad_bytes(n, replicated[n.id]) for n in params)
         self._largest_param = max((n.outputs[0].bytes for n in params), default=0)
-        backward_peak = int(phases.get("backward") or 0)
-        if not phases and measured_peak:
-            backward_peak = int(measured_peak)
-        node = None
-        best = -1
+        known = {n.id for n in ops}
+        extras: dict[str, int] = {}
         for event in memory.get("timeline") or []:
             _, phase, node_id, live = event
-            if phase == "backward" and live > best:
-                best, node = live, node_id
-        known = {n.id for n in ops}
-        if node not in known:
-            node = ops[-1].id if ops else None
-        if backward_peak and node is not None:
-            self.backward_node = node
-            self.backward_extra = max(0, backward_peak - state - saved)
+            if phase == "backward" and node_id in known and live - state - saved > extras.get(node_id, 0):
+                extras[node_id] = int(live - state - saved)
+        if not extras:  # no timeline: the whole backward peak (or the measured one) at the last op
+            backward_peak = int(phases.get("backward") or 0) or (0 if phases else int(measured_peak or 0))
+            if backward_peak > state + saved and ops:
+                extras[ops[-1].id] = backward_peak - state - saved
+        self.backward_extras = _undominated(extras, self.mesh_shape)
         optimizer_peak = int(phases.get("optimizer") or 0)
         if optimizer_peak:
             self.optimizer_extra = max(0, optimizer_peak - state - grads)
+
+
+#: at most this many nodes keep a backward extra (each is one memory constraint of the ILP)
+MAX_BACKWARD_EXTRAS = 4
+
+
+def _undominated(extras: dict[str, int], mesh_shape: tuple[int, ...]) -> dict[str, int]:
+    """Drop nodes whose extra, even unsharded, is below another's extra fully sharded; keep the
+    ``MAX_BACKWARD_EXTRAS`` largest of the rest (the peak node is always kept)."""
+    if not extras:
+        return {}
+    devices = math.prod(mesh_shape) or 1
+    floor = max(extras.values()) // devices
+    kept = sorted(((b, n) for n, b in extras.items() if b >= floor), reverse=True)[:MAX_BACKWARD_EXTRAS]
+    return {n: b for b, n in kept}
 
 
 def _saves_inputs(node: GraphNode) -> bool:

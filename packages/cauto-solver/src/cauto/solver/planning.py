@@ -10,6 +10,16 @@
   recompute where the ILP alone fits, and "auto" must never be slower than "none".
 * "rotor" / "chen": the same joint search picks the sharding; the schedule uses that method only.
 Infeasible budgets raise InfeasibleBudgetError naming the least memory any split needs.
+
+``offload`` hands data-parallel model state to the runtime's chunk manager (offload.py):
+* "none" (default): every parameter's state stays on the device.
+* "auto": only when no device-only plan (with the ``checkpoint`` method asked for) fits: then the
+  sharding ILP with chunked state, without checkpointing; still infeasible raises the error of
+  whichever of the two needs less memory.
+* "chunked": always the ILP with chunked state (``checkpoint`` must be "none").
+With chunked state, every parameter replicated on all mesh axes gets ``state: "chunked"`` and the
+plan's ``offload`` section records the device budget the runtime hands the chunk manager.
+``progress(phase, done, total)``, when given, follows the work (phases in cauto/solver/progress.py).
 """
 
 from __future__ import annotations
@@ -18,37 +28,67 @@ from collections.abc import Mapping
 
 from cauto.plan import GraphDocument
 from cauto.solver.checkpoint import attach_checkpoint, ilp_sharding, joint_plan
+from cauto.solver.checkpoint.device_walk import device_peak_judge
 from cauto.solver.checkpoint.joint import device_dict
 from cauto.solver.cluster import ClusterSpec
 from cauto.solver.errors import InfeasibleBudgetError, SolverError
+from cauto.solver.offload import OFFLOAD_MODES
+from cauto.solver.progress import CHECKPOINT_PHASE, ProgressFn, counted, joint_solves_at_most
 from cauto.solver.solve import solve
 
 CHECKPOINT_METHODS = ("none", "auto", "rotor", "chen")
 
 
 def plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, *, memory_budget: int | None = None,
-         checkpoint: str = "none", solver: str = "cbc", time_limit_s: float = 60.0) -> dict:
+         checkpoint: str = "none", solver: str = "cbc", time_limit_s: float = 60.0,
+         progress: ProgressFn | None = None, offload: str = "none") -> dict:
     """Return a plan document for ``graph`` on ``cluster`` within ``memory_budget`` bytes per device."""
     if checkpoint not in CHECKPOINT_METHODS:
         raise SolverError(f"checkpoint method {checkpoint!r} is not one of {', '.join(CHECKPOINT_METHODS)}")
+    if offload not in OFFLOAD_MODES:
+        raise SolverError(f"offload {offload!r} is not one of {', '.join(OFFLOAD_MODES)}")
+    if offload == "chunked" and checkpoint != "none":
+        raise SolverError("offload='chunked' does not combine with activation checkpointing yet; use "
+                          "checkpoint='none', or offload='auto' (chunked state only where no checkpointed plan fits)")
+    if offload != "none":
+        chunked = dict(memory_budget=memory_budget, solver=solver, time_limit_s=time_limit_s, progress=progress,
+                       offload=True)
+        if offload == "chunked":
+            return solve(graph, cluster, **chunked)
+        try:
+            return plan(graph, cluster, memory_budget=memory_budget, checkpoint=checkpoint, solver=solver,
+                        time_limit_s=time_limit_s, progress=progress)
+        except InfeasibleBudgetError as on_device:
+            try:
+                return solve(graph, cluster, **chunked)
+            except InfeasibleBudgetError as with_chunks:
+                raise min(on_device, with_chunks, key=lambda e: e.needed_bytes or float("inf")) from None
     if checkpoint == "none":
-        return solve(graph, cluster, memory_budget=memory_budget, solver=solver, time_limit_s=time_limit_s)
+        return solve(graph, cluster, memory_budget=memory_budget, solver=solver, time_limit_s=time_limit_s,
+                     progress=progress)
     graph_doc = graph.to_dict() if isinstance(graph, GraphDocument) else dict(graph)
     budget = int(memory_budget if memory_budget is not None else cluster.device.memory_bytes)
     ilp_only = None
     if checkpoint == "auto":
         try:
-            ilp_only = solve(graph_doc, cluster, memory_budget=budget, solver=solver, time_limit_s=time_limit_s)
+            ilp_only = solve(graph_doc, cluster, memory_budget=budget, solver=solver, time_limit_s=time_limit_s,
+                             progress=progress)
             ilp_only["checkpoint"] = {"method": "auto", "regions": [], "recompute_s": 0.0}
         except InfeasibleBudgetError:
             pass
-    result = joint_plan(graph_doc, budget, ilp_sharding(graph_doc, cluster, solver=solver, time_limit_s=time_limit_s),
-                        device=device_dict(cluster))
+    solve_sharding = ilp_sharding(graph_doc, cluster, solver=solver, time_limit_s=time_limit_s)
+    if progress is not None:
+        solve_sharding = counted(solve_sharding, progress, joint_solves_at_most())
+    result = joint_plan(graph_doc, budget, solve_sharding, device=device_dict(cluster),
+                        device_peak=device_peak_judge(graph_doc))
+    if progress is not None:
+        progress(CHECKPOINT_PHASE, joint_solves_at_most(), joint_solves_at_most())
     if result.best is None:
         if ilp_only is not None:
             return ilp_only
         raise InfeasibleBudgetError(budget, int(result.needed_bytes or 0), [])
-    plan_doc = attach_checkpoint(result.best.sharding.plan, graph_doc, method=checkpoint, memory_budget_bytes=budget)
+    plan_doc = attach_checkpoint(result.best.sharding.plan, graph_doc, method=checkpoint, memory_budget_bytes=budget,
+                                 choice=result.best.checkpoint, device_peak_bytes=result.best.peak_bytes)
     plan_doc["checkpoint"]["method"] = checkpoint
     plan_doc["predictions"]["memory_budget_bytes"] = budget
     if ilp_only is not None and ilp_only["predictions"]["step_time_s"]["total"] <= \

@@ -25,14 +25,17 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
-from cauto.plan import GraphDocument, check_document, check_plan_matches_graph, split_ref
+from cauto.plan import CURRENT_VERSION, GraphDocument, check_document, check_plan_matches_graph, split_ref
 from cauto.plan.errors import DocumentError
+from cauto.plan.versioning import format_version
 from cauto.solver.cluster import ClusterSpec
 from cauto.solver.cost import CostModel
 from cauto.solver.errors import InfeasibleBudgetError, SolverError
 from cauto.solver.groups import Problem, build_problem, enumerate_strategies, fanouts, tensor_requires_grad
 from cauto.solver.ilp import solve_ilp
 from cauto.solver.memory import MemoryModel
+from cauto.solver.offload import OffloadModel, ilp_budget, is_chunked
+from cauto.solver.progress import ProgressFn
 from cauto.solver.reshard import Collective, backward_target, is_partial, reshard
 from cauto.solver.strategies import Placements, Strategy
 
@@ -46,18 +49,26 @@ def _graph(graph: GraphDocument | Mapping) -> GraphDocument:
         raise SolverError(f"invalid graph document: {exc}") from None
 
 
-def build(graph: GraphDocument, cluster: ClusterSpec, *, follow: bool = True, share_layers: bool = True):
-    """(strategies, cost model, memory model, problem) of a validated graph on a cluster."""
+def build(graph: GraphDocument, cluster: ClusterSpec, *, follow: bool = True, share_layers: bool = True,
+          progress: ProgressFn | None = None, offload: OffloadModel | None = None):
+    """(strategies, cost model, memory model, problem) of a validated graph on a cluster.
+
+    ``progress`` hears the phases "strategies" and "costs", node by node. With ``offload`` the cost
+    and memory models count replicated parameters as chunked (offload.py)."""
     mesh = tuple(cluster.mesh_shape)
     train = bool(graph.settings.get("train", True))
-    strategies = enumerate_strategies(graph, mesh, tuple(cluster.axis_names))
+    strategies = enumerate_strategies(graph, mesh, tuple(cluster.axis_names), progress)
     cost = CostModel(cluster, train)
     memory = MemoryModel(mesh, graph.settings.get("optimizer", "adamw"), train)
     nodes = [n for n in graph.nodes if n.kind != "output"]
     replicated = {n.id: strategies[n.id][0] for n in nodes}
     memory.calibrate(nodes, replicated, int(graph.memory.get("peak_bytes", 0)), graph.memory)
     cost.set_tie_break(sum(cost.compute_s(n, replicated[n.id]) for n in nodes), memory.peak(nodes, replicated)[0])
-    problem = build_problem(graph, strategies, cost, memory, follow=follow, share_layers=share_layers)
+    if offload is not None:
+        strategies = offload.restrict(graph, strategies)
+        cost, memory = offload.cost_model(cost), offload.memory_model(memory)
+    problem = build_problem(graph, strategies, cost, memory, follow=follow, share_layers=share_layers,
+                            progress=progress)
     return strategies, cost, memory, problem
 
 
@@ -102,6 +113,9 @@ def _top_tensors(graph: GraphDocument, chosen: Mapping[str, Strategy], memory: M
         elif t <= t_peak:
             b = memory.saved_bytes(n, s) + (memory.transient_bytes(n, s) if t == t_peak else 0)
             items.append((f"activation {n.id} ({n.module or 'root'})", b))
+    chunks = getattr(memory, "offload", None)
+    if chunks is not None and any(is_chunked(n, chosen[n.id]) for n in nodes):
+        items.append(("chunk working set (chunked parameters)", chunks.working_set_bytes))
     items.sort(key=lambda kv: (-kv[1], kv[0]))
     return [kv for kv in items if kv[1] > 0][:8]
 
@@ -122,28 +136,31 @@ def _collective_dicts(cs, phase: str, where: str) -> list[dict]:
 
 
 def _fit_prediction(g: GraphDocument, problem: Problem, memory: MemoryModel, result, budget: int, solver: str,
-                    time_limit_s: float, tries: int = 3):
+                    time_limit_s: float, tries: int = 3, limit: int | None = None):
     """The plan's prediction (``memory.predict``) refines the ILP's memory model (``memory.peak``):
-    where it lands over the budget, solve again with the budget lowered by the excess (a few times)."""
+    where it lands over the budget, solve again with the ILP's ``limit`` (default: the budget)
+    lowered by the excess (a few times); still over (or nothing fits the lowered limit): infeasible."""
     nodes = [n for n in g.nodes if n.kind != "output"]
-    limit = budget
-    for _ in range(tries):
+    limit = budget if limit is None else limit
+    for attempt in range(tries + 1):
         if not result.feasible:
             return result
         over = memory.predict(nodes, chosen_strategies(problem, result.choice))[0] - budget
         if over <= 0:
             return result
-        limit -= over
-        tighter = solve_ilp(problem, limit, solver=solver, time_limit_s=time_limit_s)
-        if not tighter.feasible:
+        tighter = solve_ilp(problem, limit - over, solver=solver, time_limit_s=time_limit_s) if attempt < tries \
+            else None
+        if tighter is None or not tighter.feasible:
+            result.feasible = False  # a plan whose prediction exceeds the budget is no plan for it
             return result
+        limit -= over
         result = tighter
     return result
 
 
 def solve(graph: GraphDocument | Mapping, cluster: ClusterSpec, *, memory_budget: int | None = None,
           time_limit_s: float = 60.0, solver: str = "cbc", follow: bool = True, share_layers: bool = True,
-          timings: dict | None = None) -> dict:
+          timings: dict | None = None, progress: ProgressFn | None = None, offload: bool = False) -> dict:
     """Plan ``graph`` on ``cluster``: return a plan document (plan.schema.json) that fits the budget.
 
     ``graph`` is a dict (validated here) or a GraphDocument from ``cauto.plan.load_graph`` (already
@@ -151,22 +168,45 @@ def solve(graph: GraphDocument | Mapping, cluster: ClusterSpec, *, memory_budget
     InfeasibleBudgetError (with the least bytes any plan needs) when nothing fits, SolverError for
     bad inputs. Same inputs give the same plan except ``solver.time_s``. ``timings``, when given,
     receives the seconds of each phase (build_s: strategies, costs, variables; ilp_s; plan_s).
+    ``progress(phase, done, total)``, when given, hears "strategies" and "costs" node by node, then
+    "ilp" as 0/1 and 1/1 (the solver tells no fraction; every re-solve is inside that phase).
+    ``offload``: parameters replicated on every mesh axis are chunked (state "chunked", handed to the
+    runtime's chunk manager with the budget; offload.py has the memory and traffic model).
     """
     start = time.perf_counter()
     g = _graph(graph)
     budget = int(memory_budget if memory_budget is not None else cluster.device.memory_bytes)
-    strategies, cost, memory, problem = build(g, cluster, follow=follow, share_layers=share_layers)
+    chunks = OffloadModel.for_graph(g, cluster, budget) if offload else None
+    strategies, cost, memory, problem = build(g, cluster, follow=follow, share_layers=share_layers,
+                                              progress=progress, offload=chunks)
     built = time.perf_counter()
-    result = solve_ilp(problem, budget, solver=solver, time_limit_s=time_limit_s)
-    result = _fit_prediction(g, problem, memory, result, budget, solver, time_limit_s)
+    if progress is not None:
+        progress("ilp", 0, 1)
+    limit = ilp_budget(budget, chunks)
+    result = solve_ilp(problem, limit, solver=solver, time_limit_s=time_limit_s)
+    result = _fit_prediction(g, problem, memory, result, budget, solver, time_limit_s, limit=limit)
     solved = time.perf_counter()
+    if chunks is not None and result.feasible and not chunks.runnable(g, chosen_strategies(problem, result.choice),
+                                                                      memory, budget):
+        result.feasible = False
     if not result.feasible:
-        least = solve_ilp(problem, None, solver=solver, time_limit_s=time_limit_s, minimize_peak=True)
+        # with chunks: the fastest plan (edge-free when one exists) and the peak its plan would predict
+        least = solve_ilp(problem, None, solver=solver, time_limit_s=time_limit_s, minimize_peak=chunks is None)
+        if progress is not None:
+            progress("ilp", 1, 1)
         chosen = chosen_strategies(problem, least.choice)
-        needed = memory.peak([n for n in g.nodes if n.kind != "output"], chosen)[0]
-        raise InfeasibleBudgetError(budget, needed, _top_tensors(g, chosen, memory))
+        nodes = [n for n in g.nodes if n.kind != "output"]
+        needed = memory.predict(nodes, chosen)[0]
+        if chunks is None and least.feasible and needed <= budget:
+            result = least  # the least-memory plan fits where the fastest-first search overshot
+        else:
+            raise InfeasibleBudgetError(budget, needed, _top_tensors(g, chosen, memory))
+    if progress is not None:
+        progress("ilp", 1, 1)
     chosen = chosen_strategies(problem, result.choice)
-    plan = plan_document(g, cluster, chosen, cost, memory, budget)
+    plan = plan_document(g, cluster, chosen, getattr(cost, "base", cost), memory, budget)
+    if chunks is not None:
+        chunks.finish(plan, g, chosen)
     objective, _ = evaluate(g, chosen, cost, memory)
     plan["solver"] = {"name": solver, "status": result.status, "objective_s": objective, "gap": result.gap,
                       "time_s": time.perf_counter() - start, "num_variables": result.num_variables,
@@ -266,7 +306,8 @@ def plan_document(g: GraphDocument, cluster: ClusterSpec, chosen: Mapping[str, S
     communication = sum(c["cost_s"] for c in collectives)
     peak, state, act, _ = memory.predict(nodes, dict(chosen))
     return {
-        "schema_version": "1.0", "kind": "plan", "graph_fingerprint": g.fingerprint,
+        "schema_version": format_version(CURRENT_VERSION["plan"]), "kind": "plan",
+        "graph_fingerprint": g.fingerprint,
         "mesh": {"shape": list(mesh), "axis_names": list(cluster.axis_names)},
         "cluster": cluster.to_dict(), "nodes": plan_nodes, "params": params, "edges": edges,
         "grad_sync": grad_sync,

@@ -39,6 +39,13 @@ def summary(plan: dict, top_edges: int = 5) -> str:
         f"activations {fmt_bytes(pred.get('activation_bytes', 0))}; budget "
         f"{fmt_bytes(pred['memory_budget_bytes']) if pred.get('memory_budget_bytes') else 'none'})",
     ]
+    off = plan.get("offload")
+    if off:
+        chunked = sum(p.get("state") == "chunked" for p in plan["params"].values())
+        lines.append(f"chunked state        {chunked} params in {off.get('num_chunks', '?')} chunks of "
+                     f"{off['chunk_elems']} elements; device budget {fmt_bytes(off['device_budget_bytes'])}, "
+                     f"working set {fmt_bytes(off.get('working_set_bytes', 0))}, host link "
+                     f"{fmt_bytes(off.get('moved_bytes', 0))}/step ({fmt_s(st.get('offload', 0.0))})")
     counts = Counter((c.get("phase", "?"), c["op"], names[c["axis"]]) for c in pred["collectives"])
     lines.append(f"collectives per step {len(pred['collectives'])}")
     for (phase, op, axis), n in sorted(counts.items()):

@@ -4,6 +4,10 @@ The model factory is called on the meta device (nothing is allocated) for captur
 only the runtime materializes parameters, and each rank only its own shards. In a distributed job
 rank 0 profiles and solves, then sends the plan's JSON text to the other ranks (plain bytes, no
 pickle); the solver is deterministic, so a cached plan is the same on every host.
+
+Quiet by default. ``progress=True`` draws the profiling and planning bars of the `cauto` command
+on stderr (cauto.cli.progress), on rank 0 only since only rank 0 profiles and solves; a callable
+``progress(phase, done, total)`` receives the same calls instead.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from cauto.api.plan_cache import PlanCache
 from cauto.plan import dumps, parse
 from cauto.profiler import capture, profile
-from cauto.solver import solve
+from cauto.solver import plan as solve_plan
 from cauto.solver.cli import parse_bytes
 from cauto.solver.cluster import HardwareSpec, cluster_for_mesh
 
@@ -62,8 +66,12 @@ def _budget(memory_budget: int | str | None) -> int | None:
 def plan_for(fn: Callable, mesh_shape: Sequence[int], *, axis_names: Sequence[str] | None = None,
              hardware: str | HardwareSpec = "cpu-gloo", memory_budget: int | str | None = None,
              optimizer: str = "adamw", device: str = "cpu", checkpoint: str = "none",
-             cache: PlanCache | None = None, time_limit_s: float = 60.0, verbose: bool = False) -> dict:
-    """Profile ``fn`` and solve a plan for ``mesh_shape`` (or take it from ``cache``); return the plan dict."""
+             cache: PlanCache | None = None, time_limit_s: float = 60.0, verbose: bool = False,
+             progress: bool | Callable[[str, int, int], None] = False) -> dict:
+    """Profile ``fn`` and solve a plan for ``mesh_shape`` (or take it from ``cache``); return the plan dict.
+
+    ``checkpoint``: "none", or activation checkpointing solved jointly with the sharding ("auto",
+    "rotor", "chen"; see cauto.solver.plan). ``progress``: module docstring."""
     cluster = cluster_for_mesh(hardware, tuple(mesh_shape), tuple(axis_names) if axis_names else None)
     budget = _budget(memory_budget)
     cap = capture(fn)
@@ -75,8 +83,19 @@ def plan_for(fn: Callable, mesh_shape: Sequence[int], *, axis_names: Sequence[st
             print(f"cauto: plan from cache {cache.path(key)}")
         return cached
     start = time.perf_counter()
-    graph = profile(fn, optimizer=optimizer, device=device).to_graph()
-    plan = solve(graph, cluster, memory_budget=budget, time_limit_s=time_limit_s)
+    if progress is True:
+        from cauto.cli.progress import plan_bars, profile_bars
+
+        with profile_bars() as bars:
+            graph = profile(fn, optimizer=optimizer, device=device, cap=cap, progress=bars).to_graph()
+        with plan_bars(time_limit_s) as bars:
+            plan = solve_plan(graph, cluster, memory_budget=budget, checkpoint=checkpoint, time_limit_s=time_limit_s,
+                              progress=bars)
+    else:
+        report = progress or None
+        graph = profile(fn, optimizer=optimizer, device=device, cap=cap, progress=report).to_graph()
+        plan = solve_plan(graph, cluster, memory_budget=budget, checkpoint=checkpoint, time_limit_s=time_limit_s,
+                          progress=report)
     if verbose:
         print(f"cauto: profiled and solved in {time.perf_counter() - start:.1f} s")
     if cache is not None:
@@ -105,7 +124,8 @@ def autoparallelize(model_fn: Callable[[], torch.nn.Module], example_inputs, mes
                     *, memory_budget: int | str | None = None, checkpoint: str = "none",
                     hardware: str | HardwareSpec | None = None, axis_names: Sequence[str] | None = None,
                     optimizer: str = "adamw", cache_dir: str | None = None, use_cache: bool = True,
-                    state_dict: dict | None = None, seed: int | None = None, verbose: bool = False):
+                    state_dict: dict | None = None, seed: int | None = None, verbose: bool = False,
+                    progress: bool | Callable[[str, int, int], None] = False):
     """Return ``model_fn()``'s model parallelized over ``mesh`` under ``memory_budget`` per device.
 
     ``example_inputs``: a tuple or dict of tensors (only shapes and dtypes are used); the returned
@@ -113,7 +133,8 @@ def autoparallelize(model_fn: Callable[[], torch.nn.Module], example_inputs, mes
     ``mesh``: a DeviceMesh (one is created from the shape when a shape is given and torch.distributed
     is initialized). ``memory_budget``: bytes or a string like "70GiB". ``hardware``: a preset
     ("cpu-gloo", "a100", "h100", "h200") or a calibrated spec file; default by the mesh's device.
-    The plan and its predictions are ``model.plan`` and ``model.predictions``.
+    The plan and its predictions are ``model.plan`` and ``model.predictions``. ``progress=True``
+    shows profiling and planning bars on rank 0's stderr (default: quiet; module docstring).
     """
     from cauto.runtime import apply
 
@@ -129,6 +150,7 @@ def autoparallelize(model_fn: Callable[[], torch.nn.Module], example_inputs, mes
     if not dist.is_initialized() or dist.get_rank() == 0:
         cache = PlanCache(cache_dir) if use_cache else None
         plan = plan_for(fn, shape, axis_names=names, hardware=hardware, memory_budget=memory_budget,
-                        optimizer=optimizer, device=device, checkpoint=checkpoint, cache=cache, verbose=verbose)
+                        optimizer=optimizer, device=device, checkpoint=checkpoint, cache=cache, verbose=verbose,
+                        progress=progress)
     plan = _share_plan(plan)
     return apply(fn, plan, mesh, state_dict=state_dict, seed=seed)

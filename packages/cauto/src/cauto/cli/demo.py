@@ -3,13 +3,14 @@
 Profiles a small GPT symbolically, solves a plan for 4 CPU ranks (gloo) under a memory budget,
 trains it for a few steps with torchrun, and prints predicted vs measured memory and collectives.
 Everything is written to ``--out`` (default ./cauto-demo): graph.json, plan.json,
-parallel_model.py and report.html.
+parallel_model.py and report.html (written again after training, with the measured per-rank
+peaks). Profiling and planning draw progress bars on stderr, training a step bar (cauto.cli.run).
 """
 
 from __future__ import annotations
 
 import argparse
-import subprocess
+import os
 import sys
 import time
 from pathlib import Path
@@ -43,9 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
 
     _section("1/4 profile (fake tensors, nothing allocated)")
+    from cauto.cli.progress import plan_bars, profile_bars
     from cauto.profiler.cli import main as profile_main
 
-    rc = profile_main([DEMO_TARGET, "-o", str(out / "graph.json"), "--depth", "2"])
+    with profile_bars() as bars:
+        rc = profile_main([DEMO_TARGET, "-o", str(out / "graph.json"), "--depth", "2"], progress=bars)
     if rc:
         return rc
 
@@ -55,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     solve_args = [str(out / "graph.json"), "--mesh", mesh, "--cluster", "cpu-gloo", "-o", str(out / "plan.json")]
     if args.memory:
         solve_args += ["--memory", args.memory]
-    rc = solve_main(solve_args)
+    with plan_bars(60.0) as bars:
+        rc = solve_main(solve_args, progress=bars)
     if rc:
         return rc
 
@@ -67,14 +71,18 @@ def main(argv: list[str] | None = None) -> int:
         return rc
     from cauto.cli.explain import write_html
 
+    (out / "plan.measured.json").unlink(missing_ok=True)  # a previous demo's measurements are not this plan's
     write_html(out / "plan.json", out / "graph.json", out / "report.html")
     print(f"wrote {out / 'parallel_model.py'} and {out / 'report.html'}")
 
     _section(f"4/4 train {args.steps} steps on {args.nproc} gloo ranks (torchrun), verify predictions")
-    from cauto.cli.run import torchrun_command
+    from cauto.cli.run import run_torchrun, torchrun_command
 
     cmd = torchrun_command(DEMO_TARGET, str(out / "plan.json"), args.nproc, args.steps, True, [])
-    rc = subprocess.call(cmd, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    rc = run_torchrun(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if rc == 0:
+        write_html(out / "plan.json", out / "graph.json", out / "report.html")
+        print(f"wrote {out / 'report.html'} again, with the measured peaks per rank")
     print(f"\ncauto demo finished in {time.perf_counter() - started:.0f} s (exit {rc}); files in {out}/")
     return rc
 

@@ -1,7 +1,10 @@
 """`cauto explain PLAN [--graph GRAPH] [--html report.html]`: what the plan does and why.
 
 Prints the solver's per-layer placement table and predictions; with --html writes a
-self-contained page with the memory timeline and the placement table as pictures.
+self-contained page: the unsharded memory timeline (from --graph) beside the plan's predicted
+memory per device (check point by check point when --graph is given, else model state +
+activations), the budget, the measured per-rank peaks when PLAN.measured.json (from
+`cauto run --verify`) lies beside the plan, and the placement table.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import sys
 from pathlib import Path
 
 from cauto.cli.report_html import render_report
-from cauto.plan import DocumentError, load
+from cauto.plan import DocumentError, MismatchError, load
 
 
 def measured_for(plan_path: str | Path) -> dict | None:
@@ -42,6 +45,19 @@ def measured_lines(report: dict) -> list[str]:
     return lines
 
 
+def device_view(plan: dict, graph: dict | None):
+    """(the plan's per-device timeline or None, a note saying why there is none or None)."""
+    if graph is None:
+        return None, "Pass --graph to see the per-device memory check point by check point."
+    from cauto.solver import SolverError
+    from cauto.solver.device_memory import device_timeline
+
+    try:
+        return device_timeline(plan, graph), None
+    except (SolverError, DocumentError, MismatchError) as exc:
+        return None, f"No per-device timeline: {exc}"
+
+
 def write_html(plan_path: str | Path, graph_path: str | Path | None, html_path: str | Path) -> Path:
     """Render the HTML report of a plan (and its graph) to ``html_path``; return the path."""
     plan = load(plan_path, "plan")
@@ -49,9 +65,15 @@ def write_html(plan_path: str | Path, graph_path: str | Path | None, html_path: 
     report = measured_for(plan_path)
     measured = {line.split(":")[0].strip(): line.split(":", 1)[1].strip()
                 for line in measured_lines(report)[1:] if ":" in line} if report else None
+    per_rank = None
+    if report:
+        peak = report["peak_bytes"]
+        per_rank = [int(v) for v in (peak.get("measured_per_rank") or [peak["measured"]])]
+    device, note = device_view(plan, graph)
     html_path = Path(html_path)
     tmp = html_path.with_suffix(html_path.suffix + ".tmp")
-    tmp.write_text(render_report(plan, graph, measured), encoding="utf-8")
+    tmp.write_text(render_report(plan, graph, measured, device=device, measured_per_rank=per_rank, device_note=note),
+                   encoding="utf-8")
     tmp.replace(html_path)
     return html_path
 

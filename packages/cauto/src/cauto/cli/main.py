@@ -16,21 +16,34 @@ USAGE = __doc__
 
 
 def _profile(argv: list[str]) -> int:
-    from cauto.cli.progress import progress
+    from cauto.cli.progress import profile_bars
     from cauto.profiler.cli import main
 
-    with progress("profiling (capture + symbolic training step)"):
-        return main(argv)
+    with profile_bars() as bars:
+        return main(argv, progress=bars)
 
 
 def _plan(argv: list[str]) -> int:
-    from cauto.cli.progress import progress
+    from cauto.cli.progress import plan_bars
     from cauto.solver.cli import main
 
     if argv and argv[0] == "explain":
         return main(argv)
-    with progress("planning (strategies, costs, ILP)"):
-        return main(argv)
+    with plan_bars(_time_limit_s(argv)) as bars:
+        return main(argv, progress=bars)
+
+
+def _time_limit_s(argv: list[str], default: float = 60.0) -> float:
+    """The ``--time-limit`` of a `cauto plan` command line (what the ILP bar counts against)."""
+    for i, arg in enumerate(argv):
+        value = arg.split("=", 1)[1] if arg.startswith("--time-limit=") else \
+            argv[i + 1] if arg == "--time-limit" and i + 1 < len(argv) else None
+        if value is not None:
+            try:
+                return float(value)
+            except ValueError:
+                return default  # cauto-solve reports the bad value itself
+    return default
 
 
 def _codegen(argv: list[str]) -> int:

@@ -1,59 +1,18 @@
-"""A self-contained HTML report of a plan: memory timeline and placements as inline SVG and tables.
+"""A self-contained HTML report of a plan: memory pictures and placements as inline SVG and tables.
 
-No JavaScript, no external files: the page can be mailed or attached to an issue as it is.
+Memory: the unsharded profile's timeline beside the plan's predicted per-device view (budget line,
+measured per-rank peaks after `cauto run --verify`; see memory_svg.py), and a table of peaks per
+phase. No JavaScript, no external files: the page can be mailed or attached to an issue as it is.
 """
 
 from __future__ import annotations
 
 import html
+import math
 
-_WIDTH, _HEIGHT, _PAD = 900, 260, 48
+from cauto.cli.memory_svg import device_svg, mib, timeline_svg
 
-
-def _mib(n: float) -> str:
-    return f"{n / 2**20:,.1f} MiB"
-
-
-def timeline_svg(timeline: list[list], peak_bytes: int | None = None, budget_bytes: int | None = None) -> str:
-    """An SVG line chart of live bytes over the profiled events, phases shaded, peak/budget marked."""
-    if not timeline:
-        return "<p>(no memory timeline in the graph document)</p>"
-    xs = [row[0] for row in timeline]
-    ys = [row[3] for row in timeline]
-    top = max([*ys, peak_bytes or 0, budget_bytes or 0, 1])
-    x0, x1 = min(xs), max(xs) or 1
-
-    def px(x: float) -> float:
-        return _PAD + (x - x0) / max(x1 - x0, 1) * (_WIDTH - 2 * _PAD)
-
-    def py(y: float) -> float:
-        return _HEIGHT - _PAD + -(y / top) * (_HEIGHT - 2 * _PAD)
-
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{_WIDTH}" height="{_HEIGHT}" '
-             f'viewBox="0 0 {_WIDTH} {_HEIGHT}" font-family="sans-serif" font-size="11">']
-    colors = {"forward": "#e8f0fe", "backward": "#fdeaea", "optimizer": "#eaf7ea"}
-    start = 0
-    for i in range(1, len(timeline) + 1):
-        if i == len(timeline) or timeline[i][1] != timeline[start][1]:
-            phase = timeline[start][1]
-            fill = next((c for k, c in colors.items() if k in phase), "#f4f4f4")
-            xa, xb = px(timeline[start][0]), px(timeline[i - 1][0])
-            parts.append(f'<rect x="{xa:.1f}" y="{_PAD}" width="{max(xb - xa, 1):.1f}" '
-                         f'height="{_HEIGHT - 2 * _PAD}" fill="{fill}"><title>{html.escape(phase)}</title></rect>')
-            start = i
-    points = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in zip(xs, ys))
-    parts.append(f'<polyline points="{points}" fill="none" stroke="#1a73e8" stroke-width="1.5"/>')
-    for value, label, color in ((peak_bytes, "predicted peak", "#d93025"), (budget_bytes, "budget", "#188038")):
-        if value:
-            parts.append(f'<line x1="{_PAD}" x2="{_WIDTH - _PAD}" y1="{py(value):.1f}" y2="{py(value):.1f}" '
-                         f'stroke="{color}" stroke-dasharray="4 3"/>')
-            parts.append(f'<text x="{_WIDTH - _PAD}" y="{py(value) - 4:.1f}" text-anchor="end" fill="{color}">'
-                         f'{label} {_mib(value)}</text>')
-    parts.append(f'<text x="{_PAD}" y="{_PAD - 8}">{_mib(top)}</text>')
-    parts.append(f'<text x="{_PAD}" y="{_HEIGHT - _PAD + 16}">event 0</text>')
-    parts.append(f'<text x="{_WIDTH - _PAD}" y="{_HEIGHT - _PAD + 16}" text-anchor="end">event {x1}</text>')
-    parts.append("</svg>")
-    return "".join(parts)
+__all__ = ["placement_rows", "render_report", "timeline_svg"]
 
 
 def placement_rows(plan: dict, graph: dict | None) -> list[tuple[str, str, str, str, str]]:
@@ -73,15 +32,35 @@ def placement_rows(plan: dict, graph: dict | None) -> list[tuple[str, str, str, 
     return rows
 
 
-def render_report(plan: dict, graph: dict | None = None, measured: dict | None = None) -> str:
-    """The whole HTML page for ``plan`` (and its graph and measurements, when given)."""
+def phase_rows(graph: dict | None, device, measured_per_rank: list[int] | None) -> list[tuple[str, str, str]]:
+    """(phase, unsharded peak, predicted peak per device) for the phases either side knows, then the measured row."""
+    unsharded = (graph or {}).get("memory", {}).get("phases") or {}
+    sharded = device.phase_peaks() if device is not None else {}
+    rows = [(phase, mib(unsharded[phase]) if phase in unsharded else "", mib(sharded[phase]) if phase in sharded else "")
+            for phase in ("forward", "backward", "grad_sync", "optimizer", "zero_grad")
+            if phase in unsharded or phase in sharded]
+    if measured_per_rank:
+        rows.append(("measured peak per rank", "", ", ".join(mib(v) for v in measured_per_rank)))
+    return rows
+
+
+def render_report(plan: dict, graph: dict | None = None, measured: dict | None = None, *, device=None,
+                  measured_per_rank: list[int] | None = None, device_note: str | None = None) -> str:
+    """The whole HTML page for ``plan`` (and its graph and measurements, when given).
+
+    ``device``: the plan's per-device timeline (cauto.solver.device_memory.device_timeline), drawn
+    beside the unsharded one; ``measured_per_rank``: peak bytes `cauto run --verify` measured per rank;
+    ``device_note``: why there is no per-device timeline, when there is none.
+    """
     pred = plan["predictions"]
     mesh = plan["mesh"]
     step = pred["step_time_s"]
     summary = [
         ("mesh", " x ".join(f"{n}={s}" for n, s in zip(mesh["axis_names"], mesh["shape"]))),
-        ("predicted peak per device", _mib(pred["peak_bytes"])),
-        ("memory budget", _mib(pred["memory_budget_bytes"]) if pred.get("memory_budget_bytes") else "none"),
+        ("predicted peak per device", mib(pred["peak_bytes"])),
+        ("model state / activations per device", f"{mib(pred.get('model_state_bytes', 0))} / "
+                                                  f"{mib(pred.get('activation_bytes', 0))}"),
+        ("memory budget", mib(pred["memory_budget_bytes"]) if pred.get("memory_budget_bytes") else "none"),
         ("predicted step time", f"{step['total'] * 1e3:.2f} ms (compute {step['compute'] * 1e3:.2f} ms, "
                                 f"communication {step['communication'] * 1e3:.2f} ms)"),
         ("collectives per step", str(len(pred["collectives"]))),
@@ -90,15 +69,35 @@ def render_report(plan: dict, graph: dict | None = None, measured: dict | None =
     if measured:
         summary += [(f"measured {k}", str(v)) for k, v in measured.items()]
     rows = placement_rows(plan, graph)
-    timeline = (graph or {}).get("memory", {}).get("timeline", [])
+    memory = (graph or {}).get("memory", {})
+    n_devices = math.prod(mesh["shape"])
     out = ["<!doctype html><html><head><meta charset='utf-8'><title>cauto plan report</title>",
            "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
-           "td,th{border:1px solid #ccc;padding:3px 8px;font-size:12px;text-align:left}</style></head><body>",
+           "td,th{border:1px solid #ccc;padding:3px 8px;font-size:12px;text-align:left}"
+           ".charts{display:flex;flex-wrap:wrap;gap:1.5em}.charts h3{font-size:14px;margin:0 0 .3em}"
+           "p.note{font-size:12px;color:#5f6368}</style></head><body>",
            "<h1>cauto plan report</h1><table>"]
     out += [f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in summary]
-    out.append("</table><h2>Memory timeline (unsharded profile)</h2>")
-    out.append(timeline_svg(timeline, (graph or {}).get("memory", {}).get("peak_bytes"),
-                            pred.get("memory_budget_bytes")))
+    out.append("</table><h2>Memory</h2><div class='charts'>")
+    out.append("<figure><h3>Unsharded profile: the whole model on one device</h3>")
+    out.append(timeline_svg(memory.get("timeline", []), memory.get("peak_bytes"), pred.get("memory_budget_bytes")))
+    out.append("</figure><figure>")
+    out.append(f"<h3>The plan, per device (each of {n_devices}): predicted</h3>")
+    out.append(device_svg(pred, device, measured_per_rank))
+    out.append("</figure></div>")
+    notes = []
+    if device is not None and device.checkpointed:
+        notes.append("The plan recomputes checkpoint regions; the per-device timeline shows the step without "
+                     "recomputation, the red line the plan's peak with it (model state + simulated activations).")
+    if device_note:
+        notes.append(device_note)
+    out += [f"<p class='note'>{html.escape(n)}</p>" for n in notes]
+    prows = phase_rows(graph, device, measured_per_rank)
+    if prows:
+        out.append("<h3>Peak per phase</h3><table id='phase-peaks'><tr><th>phase</th><th>unsharded</th>"
+                   "<th>plan, per device</th></tr>")
+        out += ["<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in prows]
+        out.append("</table>")
     out.append(f"<h2>Sharded operators ({len(rows)})</h2><table><tr><th>node</th><th>module</th><th>op</th>"
                "<th>inputs</th><th>outputs</th></tr>")
     out += ["<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows]

@@ -4,14 +4,25 @@
 
 Multi-host jobs pass torchrun's own flags after `--` (``--nnodes 2 --node-rank 0
 --rdzv-endpoint host:port``); everything else is what ``python -m cauto.runtime.launch`` takes.
+
+Training progress: rank 0 of the launcher prints ``step k/K loss L time T s`` (only rank 0
+prints). On a terminal those lines become one redrawn bar with the loss and seconds per step;
+elsewhere the first step, the steps at each 25 % and the last pass through as they are. Every
+other line of the job (the --verify report, errors of any rank) passes through unchanged.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+from cauto.cli.progress import PhaseBars, is_milestone, is_tty
+
+STEP_LINE = re.compile(r"^step (\d+)/(\d+) loss (\S+) time (\S+) s$")
+"""The launcher's per-step line (cauto.runtime.launch, rank 0)."""
 
 
 def torchrun_command(target: str, plan: str, nproc: int, steps: int, verify: bool, extra: list[str],
@@ -22,6 +33,30 @@ def torchrun_command(target: str, plan: str, nproc: int, steps: int, verify: boo
     if verify:
         cmd.append("--verify")
     return cmd + list(launch_args or [])
+
+
+def run_torchrun(cmd: list[str], env: dict | None = None, stream=None) -> int:
+    """Run ``cmd`` (a torchrun command line), showing its step lines as progress; return its exit code."""
+    stream = stream or sys.stdout
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1, env=env)
+    bars = PhaseBars("training", stream) if is_tty(stream) else None
+    try:
+        for line in proc.stdout:
+            step = STEP_LINE.match(line.rstrip("\n"))
+            if step is None:
+                (bars.print_line if bars else stream.write)(line)
+            elif bars is not None:
+                k, total, loss, step_s = step.groups()
+                bars("steps", int(k), int(total), f"  loss {loss}  {float(step_s):.3f} s/step")
+            elif int(step.group(1)) == 1 or is_milestone(int(step.group(1)), int(step.group(2)), int(step.group(1)) - 1):
+                stream.write(line)
+            stream.flush()
+        return proc.wait()
+    except KeyboardInterrupt:  # torchrun got the same SIGINT and stops its ranks
+        return proc.wait() or 130
+    finally:
+        if bars is not None:
+            bars.close(ok=proc.poll() == 0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,4 +86,4 @@ def main(argv: list[str] | None = None) -> int:
         print("cauto run: --nproc must be at least 1", file=sys.stderr)
         return 2
     sizes = [f"--{k}={v}" for k, v in (("batch", args.batch), ("seq", args.seq)) if v is not None]
-    return subprocess.call(torchrun_command(args.target, args.plan, args.nproc, args.steps, args.verify, extra, sizes))
+    return run_torchrun(torchrun_command(args.target, args.plan, args.nproc, args.steps, args.verify, extra, sizes))

@@ -34,6 +34,7 @@ split": what ``cauto-solve --checkpoint {auto,none,chen,rotor}`` does without th
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ from cauto.solver.checkpoint.api import (
 )
 from cauto.solver.checkpoint.chain import Chain
 from cauto.solver.checkpoint.linearize import DEFAULT_MAX_STAGES, ShardScale, build_chain
+from cauto.solver.checkpoint.recompute import recompute_collectives
 from cauto.solver.checkpoint.rotor import DEFAULT_SLOTS, least_memory
 from cauto.solver.errors import SolverError
 
@@ -89,6 +91,8 @@ class JointPoint:
     checkpoint: CheckpointChoice | None
     needed_bytes: int | None = None
     """For an infeasible point: the least budget this sharding needs (model state + least activations)."""
+    device_peak_bytes: int | None = None
+    """The node-level walk's peak (device_walk.py) when the search was given one: the judge of fit."""
 
     @property
     def feasible(self) -> bool:
@@ -97,10 +101,18 @@ class JointPoint:
 
     @property
     def step_time_s(self) -> float:
-        """Sharding step time plus recompute; inf when infeasible."""
+        """Sharding step time plus recompute (compute and collectives); inf when infeasible."""
         if not self.feasible:
             return math.inf
-        return self.sharding.step_time_s + max(self.checkpoint.recompute_s, 0.0)
+        return self.sharding.step_time_s + max(self.checkpoint.recompute_s, 0.0) + self.recompute_communication_s
+
+    @property
+    def recompute_communication_s(self) -> float:
+        """Seconds of the collectives recomputation runs again (recompute.py); 0 without a plan document."""
+        if not self.feasible or not isinstance(self.sharding.plan, dict):
+            return 0.0
+        regions = checkpoint_section(self.checkpoint)["regions"]
+        return sum(c.get("cost_s", 0.0) for c in recompute_collectives(self.sharding.plan, regions))
 
     @property
     def recompute_s(self) -> float:
@@ -109,9 +121,12 @@ class JointPoint:
 
     @property
     def peak_bytes(self) -> int | None:
-        """Model state plus simulated activation peak; None when infeasible."""
+        """The node-level walk's peak if known, else model state plus the simulated activation peak;
+        None when infeasible."""
         if not self.feasible:
             return None
+        if self.device_peak_bytes is not None:
+            return self.device_peak_bytes
         return self.sharding.model_state_bytes + self.checkpoint.simulation.peak_bytes
 
     @property
@@ -148,25 +163,49 @@ class JointResult:
         return checkpoint_section(self.best.checkpoint)
 
 
+DevicePeak = Callable[[dict, list], int]
+"""(sharding plan document, checkpoint regions) -> per-device peak bytes (device_walk.py)."""
+
+#: how often a schedule is re-planned on a smaller activation budget when the device walk says it overshoots
+FIT_ROUNDS = 4
+
+
 def evaluate_split(memory_budget_bytes: int, ilp_budget_bytes: int, sharding: ShardingResult | None,
-                   chain_for: ChainFor, *, method: str = "auto", slots: int = DEFAULT_SLOTS) -> JointPoint:
-    """The point of a sharding (solved at ``ilp_budget_bytes``): checkpoint within what it leaves of M."""
+                   chain_for: ChainFor, *, method: str = "auto", slots: int = DEFAULT_SLOTS,
+                   device_peak: DevicePeak | None = None) -> JointPoint:
+    """The point of a sharding (solved at ``ilp_budget_bytes``): checkpoint within what it leaves of M.
+
+    With ``device_peak`` the schedule must also fit by that judge: when its peak exceeds M, the
+    schedule is chosen again for an activation budget smaller by the overshoot (``FIT_ROUNDS`` times)."""
     M = memory_budget_bytes
     if sharding is None:
         return JointPoint(M, ilp_budget_bytes, None, None)
     chain = chain_for(sharding.shard_scale)
-    try:
-        choice = choose_schedule(chain, M - sharding.model_state_bytes, method, slots=slots)
-    except CheckpointInfeasibleError as err:
-        need = err.needed_bytes if method == "none" else least_memory(chain).peak_bytes
-        return JointPoint(M, ilp_budget_bytes, sharding, None, needed_bytes=sharding.model_state_bytes + need)
-    return JointPoint(M, ilp_budget_bytes, sharding, choice)
+    activation_budget = M - sharding.model_state_bytes
+    least_seen = None
+    for _ in range(FIT_ROUNDS if device_peak is not None and isinstance(sharding.plan, dict) else 1):
+        try:
+            choice = choose_schedule(chain, activation_budget, method, slots=slots)
+        except CheckpointInfeasibleError as err:
+            need = err.needed_bytes if method == "none" else least_memory(chain).peak_bytes
+            need = max(sharding.model_state_bytes + need, least_seen or 0)
+            return JointPoint(M, ilp_budget_bytes, sharding, None, needed_bytes=need)
+        if device_peak is None or not isinstance(sharding.plan, dict):
+            return JointPoint(M, ilp_budget_bytes, sharding, choice)
+        peak = device_peak(sharding.plan, checkpoint_section(choice)["regions"])
+        if peak <= M:
+            return JointPoint(M, ilp_budget_bytes, sharding, choice, device_peak_bytes=peak)
+        least_seen = peak if least_seen is None else min(least_seen, peak)
+        activation_budget -= max(peak - M, M // 100)
+    return JointPoint(M, ilp_budget_bytes, sharding, None, needed_bytes=least_seen)
 
 
 def solve_joint(memory_budget_bytes: int, solve_sharding: SolveSharding, chain_for: ChainFor, *,
                 grid_points: int = 8, refine_steps: int = 4, fixed_factor: float = DEFAULT_FIXED_FACTOR,
-                slots: int = DEFAULT_SLOTS) -> JointResult:
-    """Search the split of ``memory_budget_bytes`` between sharding and checkpointing (module docstring)."""
+                slots: int = DEFAULT_SLOTS, device_peak: DevicePeak | None = None) -> JointResult:
+    """Search the split of ``memory_budget_bytes`` between sharding and checkpointing (module docstring).
+
+    ``device_peak``, when given, judges each point's fit (evaluate_split)."""
     M = int(memory_budget_bytes)
     if M <= 0 or grid_points < 2:
         raise ValueError(f"need a positive memory budget and grid_points ≥ 2, got {M} and {grid_points}")
@@ -184,10 +223,10 @@ def solve_joint(memory_budget_bytes: int, solve_sharding: SolveSharding, chain_f
         r = solved[budget]
         key = (method, None if r is None else (r.model_state_bytes, r.activation_bytes, r.step_time_s))
         if r is None or key not in by_sharding:
-            by_sharding[key] = evaluate_split(M, budget, r, chain_for, method=method, slots=slots)
+            by_sharding[key] = evaluate_split(M, budget, r, chain_for, method=method, slots=slots,
+                                              device_peak=device_peak)
         p = by_sharding[key]
-        return p if p.ilp_budget_bytes == budget else JointPoint(M, budget, p.sharding, p.checkpoint,
-                                                                 p.needed_bytes)
+        return p if p.ilp_budget_bytes == budget else dataclasses.replace(p, ilp_budget_bytes=budget)
 
     ilp_only = evaluate(M, "none")
     fixed = evaluate(int(fixed_factor * M), "rotor")
@@ -292,13 +331,18 @@ def sharding_result_from_plan(plan_doc: dict) -> ShardingResult:
 
 def attach_checkpoint(plan_doc: dict, graph_doc: dict, *, method: str = "auto",
                       memory_budget_bytes: int | None = None, slots: int = DEFAULT_SLOTS,
-                      activation_scale: float = 1.0) -> dict:
+                      activation_scale: float = 1.0, choice: CheckpointChoice | None = None,
+                      device_peak_bytes: int | None = None) -> dict:
     """A copy of a sharding plan with its ``checkpoint`` section and predictions filled in.
 
     The activations get the plan's budget (``memory_budget_bytes``, else the plan's own, else its
     cluster's device memory) minus its model state, on the chain sharded as the plan says and
-    priced on the plan's cluster device. Predictions then read: activation_bytes = the simulated
-    activation peak, peak_bytes = model state + that, step_time_s.recompute added to the total.
+    priced on the plan's cluster device (or the joint search's ``choice``). Predictions then read:
+    peak_bytes = ``device_peak_bytes`` (the joint search's node-level walk, device_walk.py) when
+    given, else model state + the simulated activation peak; activation_bytes = peak_bytes - model
+    state; step_time_s.recompute (recomputed compute plus the collectives of redistributions inside
+    regions, which recomputation runs again and which are added to ``collectives`` in phase
+    "backward": recompute.py) added to the total.
     Raises CheckpointInfeasibleError when the activations cannot fit.
     """
     pred = plan_doc["predictions"]
@@ -307,13 +351,19 @@ def attach_checkpoint(plan_doc: dict, graph_doc: dict, *, method: str = "auto",
     dev = plan_doc["cluster"]["device"]
     device = {"peak_flops": dev["peak_flops"], "memory_bandwidth_bytes_per_s": dev["memory_bandwidth_bytes_per_s"],
               "kernel_floor_s": dev.get("kernel_floor_s", 0.0)}
-    chain = build_chain(graph_doc, shard_scale=sharding.shard_scale, device=device, activation_scale=activation_scale)
-    choice = choose_schedule(chain, int(budget) - sharding.model_state_bytes, method, slots=slots)
+    if choice is None:
+        chain = build_chain(graph_doc, shard_scale=sharding.shard_scale, device=device,
+                            activation_scale=activation_scale)
+        choice = choose_schedule(chain, int(budget) - sharding.model_state_bytes, method, slots=slots)
     plan = dict(plan_doc)
     plan["checkpoint"] = checkpoint_section(choice)
+    again = recompute_collectives(plan_doc, plan["checkpoint"]["regions"])
+    again_s = sum(c.get("cost_s", 0.0) for c in again)
     times = dict(pred["step_time_s"])
-    times["recompute"] = plan["checkpoint"]["recompute_s"]
+    times["recompute"] = plan["checkpoint"]["recompute_s"] + again_s
     times["total"] = sharding.step_time_s + times["recompute"]
-    plan["predictions"] = {**pred, "step_time_s": times, "activation_bytes": choice.simulation.peak_bytes,
-                           "peak_bytes": sharding.model_state_bytes + choice.simulation.peak_bytes}
+    peak = device_peak_bytes if device_peak_bytes is not None else \
+        sharding.model_state_bytes + choice.simulation.peak_bytes
+    plan["predictions"] = {**pred, "step_time_s": times, "activation_bytes": peak - sharding.model_state_bytes,
+                           "collectives": list(pred.get("collectives", [])) + again, "peak_bytes": peak}
     return plan

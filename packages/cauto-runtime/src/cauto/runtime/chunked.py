@@ -1,0 +1,295 @@
+"""Plans with chunked model state: the model as written, its parameters in the chunk manager.
+
+``apply`` hands a plan here when its parameters' state is "chunked" (the solver's ``offload``, see
+cauto-solver's offload.py). What runs is pure data parallelism, the case the solver plans:
+
+* every trainable parameter is chunked (state "chunked", Replicate on every mesh axis) and its
+  value, gradient and Adam state live in ``cauto.runtime.chunks``: ``chunk_module`` with the plan's
+  ``offload.device_budget_bytes`` and ``offload.chunk_elems``, ZeRO-sharded over the data-parallel
+  group of the plan's ``offload.mesh_axes`` (all of them: the world group), on the mesh's device
+  (CUDA, or the simulated device arena on CPU);
+* the model runs as written (no FX program, no DTensor) on this rank's slice of the batch: every
+  user input Shard(0) on every mesh axis of size > 1 (``local_slices``), or Replicate (whole);
+* no redistribution edges, no checkpoint regions.
+
+On the CPU the device is simulated (an arena tensor in host memory), and a plan solved without a
+budget would hand it the device's whole memory: there the budget is capped at what the chunks
+could ever fill, ``2 · predicted peak + 20 · num_chunks · chunk_elems`` bytes (every chunk list:
+fp32 parameter, gradient, reduced gradient, Adam moments), which changes no result.
+
+Anything else (host state, chunked and device parameters mixed, tensor-parallel placements, edges)
+raises ``PlanMismatchError`` saying what to do.
+
+The model is built on the CPU from the shared seed (``torch.manual_seed(seed); fn()``, the
+single-device initial state) or loaded from ``state_dict``; host memory holds it once before the
+chunks take it over. Chunks train in fp32.
+
+Loss. The forward returns a loss whose value is the plan's global loss and whose gradient is this
+rank's: ``local + (all_reduce(local) / W − local).detach()`` for a mean-reduced loss (the mean of
+equal slices' means is the global mean; the chunk manager's reduce-scatter averages the gradients
+over the group), and ``W · local + (all_reduce(local) − W · local).detach()`` for a loss the plan
+marks Partial(sum) (a sum over the batch), so that the averaged gradients are the sum's.
+
+Loop (``model.optimizer`` is the :class:`~cauto.runtime.chunks.ChunkedAdam`, built from the
+``optimizer`` factory given to ``apply``: its class, Adam or AdamW, and parameter groups are read)::
+
+    model = apply(fn, plan, mesh, optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3))
+    opt = model.optimizer
+    for batch in data:
+        loss = model(*batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+Do not build a torch optimizer over ``model.parameters()``: those are views into chunks that move.
+Checkpoints: ``cauto.runtime.chunks.save_checkpoint(model.optimizer, directory)`` (rank shards).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from cauto.plan import PlanDocument
+from cauto.profiler.capture import Capture, loss_of
+from cauto.runtime.chunks import ChunkedAdam, ChunkedModel, chunk_module
+from cauto.runtime.dist_utils import local_slices, to_placements
+
+
+def _mismatch(message: str) -> Exception:
+    from cauto.runtime.apply import PlanMismatchError
+    return PlanMismatchError(message)
+
+
+def chunked_targets(plan: PlanDocument) -> list[str]:
+    """Names of the parameters whose plan state is "chunked" (tied ones under every name)."""
+    return [e["target"] for e in plan.params.values() if e.get("state", "device") == "chunked"]
+
+
+def check_chunked(cap: Capture, plan: PlanDocument, model: nn.Module) -> None:
+    """Raise PlanMismatchError unless ``plan`` is pure data parallelism with every parameter chunked."""
+    host = [e["target"] for e in plan.params.values() if e.get("state") == "host"]
+    if host:
+        raise _mismatch(f"the plan keeps {len(host)} parameters on the host without chunks (first: {host[0]!r}); "
+                        "the runtime runs chunked state only: solve with --offload chunked or auto")
+    chunked = set(chunked_targets(plan))
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    left = [n for n in trainable if n not in chunked]
+    if left:
+        raise _mismatch(
+            f"the plan chunks {len(chunked)} parameters but keeps {len(left)} on the device (first: {left[0]!r}); apply "
+            "runs chunked state only when every trainable parameter is chunked (pure data parallelism): solve with "
+            "--offload chunked (or auto), or with --offload none for a plan without chunks")
+    bad = [e["target"] for e in plan.params.values()
+           if e.get("state") == "chunked" and any(p != "R" for p in e["placements"])]
+    if bad:
+        raise _mismatch(f"chunked parameter {bad[0]!r} is not Replicate on every mesh axis; chunked state is "
+                        "ZeRO-sharded by the chunk manager itself: the plan is malformed, solve again")
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    if frozen:
+        raise _mismatch(f"the model has frozen parameters ({frozen[0]!r}); chunked plans train every parameter: "
+                        "solve with --offload none")
+    if plan.edges:
+        e = plan.edges[0]
+        raise _mismatch(f"the plan redistributes activations ({len(plan.edges)} edges, first {e['src']} -> {e['dst']}); "
+                        "with chunked state the model runs as written on each rank's batch slice: solve again with "
+                        "--offload chunked, which plans pure data parallelism")
+    if plan.checkpoint and plan.checkpoint.get("regions"):
+        raise _mismatch("the plan has checkpoint regions and chunked state; the chunk manager runs the model as "
+                        "written: solve with --checkpoint none --offload chunked")
+    axes = list(plan.offload.get("mesh_axes", range(len(plan.mesh["shape"])))) if plan.offload else []
+    if plan.offload is None or sorted(axes) != list(range(len(plan.mesh["shape"]))):
+        raise _mismatch("the plan's offload section is missing or shards chunks over only some mesh axes; the "
+                        "runtime ZeRO-shards chunks over the whole mesh: solve again with --offload chunked")
+    mesh = plan.mesh["shape"]
+    for node in cap.graph.nodes:
+        if node.op != "placeholder" or cap.placeholders[node.name][0] != "input":
+            continue
+        pl = tuple(plan.nodes[node.name]["outputs"][0])
+        split = tuple("S(0)" if n > 1 else "R" for n in mesh)
+        if pl not in (split, ("R",) * len(mesh)):
+            raise _mismatch(f"input {cap.placeholders[node.name][1]!r} is placed {list(pl)}; with chunked state an "
+                            f"input is split on its batch dim over the whole mesh ({list(split)}) or replicated")
+        shape = tuple(node.meta["val"].shape)
+        world = 1
+        for n in mesh:
+            world *= n
+        if pl == split and (not shape or shape[0] % world):
+            raise _mismatch(f"input {cap.placeholders[node.name][1]!r} has batch {shape[:1]}, which does not split "
+                            f"evenly over {world} ranks; use a batch divisible by {world}")
+
+
+def _loss_is_sum(cap: Capture, plan: PlanDocument) -> bool:
+    out = next(n for n in cap.graph.nodes if n.op == "output")
+    first = out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]
+    entry = plan.nodes.get(getattr(first, "name", ""), {})
+    outs = entry.get("outputs") or [[]]
+    return any(p == "P(sum)" for p in outs[0])
+
+
+class ChunkedParallelModule(nn.Module):
+    """The model on this rank, its parameters in chunks (module docstring); call it like ParallelModule.
+
+    Attributes: ``optimizer`` (ChunkedAdam: ``step``, ``zero_grad``, ``clip_grad_norm_``), ``chunked``
+    (the ChunkedModel), ``manager`` (the ChunkManager: ``traffic``, ``arena``), ``plan``, ``mesh``, ``capture``.
+    """
+
+    def __init__(self, chunked: ChunkedModel, optimizer: ChunkedAdam, cap: Capture, plan: PlanDocument,
+                 mesh: DeviceMesh, device: torch.device, process_group):
+        super().__init__()
+        self.chunked = chunked
+        self.__dict__["capture"] = cap
+        self.optimizer = optimizer
+        self.plan = plan
+        self.mesh = mesh
+        self.device = device
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group) if process_group is not None else 1
+        self.loss_is_sum = _loss_is_sum(cap, plan)
+        self._input_names = [name for name, (kind, _) in cap.placeholders.items() if kind == "input"]
+        self._kwarg_order = list(cap.kwargs)
+        self._inputs = [n for n in cap.graph.nodes if n.op == "placeholder" and cap.placeholders[n.name][0] == "input"]
+
+    @property
+    def manager(self):
+        """The chunk manager (where every chunk is; ``manager.mover.traffic`` counts the bytes moved)."""
+        return self.chunked.manager
+
+    @property
+    def predictions(self) -> dict:
+        """The plan's predictions (peak bytes, step time, collectives per step)."""
+        return self.plan.predictions
+
+    @property
+    def generated_code(self) -> str:
+        """What runs, in words: there is no generated program with chunked state."""
+        off = self.plan.offload or {}
+        return (f"# chunked plan: the model runs as written on this rank's batch slice; its parameters live in "
+                f"{off.get('num_chunks', '?')} chunks of {off.get('chunk_elems', '?')} elements, ZeRO-sharded over "
+                f"{self.world_size} ranks, device budget {off.get('device_budget_bytes', '?')} B\n")
+
+    def input_slices(self) -> dict[str, tuple[slice, ...]]:
+        """Per user input: the slice of the global batch this rank uses (what local-batch mode passes)."""
+        out = {}
+        for node in self._inputs:
+            placements = to_placements(tuple(self.plan.nodes[node.name]["outputs"][0]))
+            out[self.capture.placeholders[node.name][1]] = local_slices(tuple(node.meta["val"].shape), placements,
+                                                                        self.mesh)
+        return out
+
+    def _local(self, flat: list) -> list:
+        slices = self.input_slices()
+        out = []
+        for node, x in zip(self._inputs, flat):
+            name = self.capture.placeholders[node.name][1]
+            if torch.is_tensor(x):
+                full = tuple(node.meta["val"].shape)
+                local = tuple(s.stop - s.start for s in slices[name])
+                if tuple(x.shape) == full and full != local:
+                    x = x[slices[name]]
+                elif tuple(x.shape) != local:
+                    raise ValueError(f"input {name!r} has shape {tuple(x.shape)}; expected the global batch {full} "
+                                     f"or this rank's slice {local}")
+                x = x.to(self.device)
+            out.append(x)
+        return out
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        extra = set(kwargs) - set(self._kwarg_order)
+        if extra:
+            raise TypeError(f"unexpected inputs {sorted(extra)}; the model was captured with {self._kwarg_order}")
+        flat = list(args) + [kwargs[k] for k in self._kwarg_order if k in kwargs]
+        if len(flat) != len(self._input_names):
+            raise TypeError(f"the model was captured with {len(self._input_names)} inputs {self._input_names}, "
+                            f"got {len(flat)}")
+        flat = self._local(flat)
+        n_args = len(args)
+        local_kwargs = dict(zip([k for k in self._kwarg_order if k in kwargs], flat[n_args:]))
+        loss = loss_of(self.chunked(*flat[:n_args], **local_kwargs))
+        w = self.world_size
+        if w == 1:
+            return loss
+        scaled = loss * w if self.loss_is_sum else loss
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=self.process_group)
+        value = total if self.loss_is_sum else total / w
+        return scaled + (value - scaled.detach())
+
+
+#: bytes per chunk element over every chunk list (param, grad, reduced grad, Adam m and v; fp32)
+_ALL_LISTS_BYTES_PER_ELEM = 20
+
+
+def device_budget_bytes(plan: PlanDocument, device: torch.device) -> int:
+    """The chunk manager's device budget: the plan's, capped on the simulated CPU device (module docstring)."""
+    budget = int(plan.offload["device_budget_bytes"])
+    if device.type != "cpu":
+        return budget
+    off = plan.offload
+    cap = 2 * int(plan.predictions["peak_bytes"]) + _ALL_LISTS_BYTES_PER_ELEM * int(
+        off.get("num_chunks", 0)) * int(off["chunk_elems"])
+    return min(budget, cap) if off.get("num_chunks") else budget
+
+
+def apply_chunked(fn: Callable, cap: Capture, plan: PlanDocument, mesh: DeviceMesh, *, seed: int | None,
+                  state_dict: dict[str, torch.Tensor] | None, optimizer: Callable | None) -> ChunkedParallelModule:
+    """Build the model of ``fn`` and put it under the chunk manager as ``plan`` says (module docstring)."""
+    with torch.device("cpu"):
+        if seed is not None:
+            torch.manual_seed(seed)
+        model, _ = fn()
+    model.train()
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "use_cache", False):
+        config.use_cache = False
+    check_chunked(cap, plan, model)
+    if state_dict is not None:
+        model.load_state_dict(state_dict)
+    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+    with torch.no_grad():
+        for b in model.buffers():
+            b.data = b.data.to(device)
+    group = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
+    names = set(chunked_targets(plan))
+    params = [n for n, _ in model.named_parameters() if n in names]
+    chunked, opt = chunk_module(model, optimizer, device_budget_bytes(plan, device), params=params, device=device,
+                                chunk_elems=int(plan.offload["chunk_elems"]), process_group=group)
+    return ChunkedParallelModule(chunked, opt, cap, plan, mesh, device, group)
+
+
+def chunk_report(module: ChunkedParallelModule, inputs: tuple[tuple, dict]) -> dict:
+    """One training step with the chunk manager's counters: predicted vs measured host link bytes,
+    arena, non-model peak and chunks in use at once (call after the warm-up step)."""
+    args, kwargs = inputs
+    mgr = module.manager
+    mgr.mover.traffic.reset()
+    module(*args, **kwargs).backward()
+    module.optimizer.step()
+    module.optimizer.zero_grad()
+    off = module.plan.offload or {}
+    peak = int(module.plan.predictions["peak_bytes"])
+    ws = int(off.get("working_set_bytes", 0))
+    return {
+        "moved_bytes": {"predicted": int(off.get("moved_bytes", 0)), "measured": mgr.mover.traffic.moved_bytes},
+        "arena_bytes": {"predicted": int(off.get("arena_bytes", 0)), "measured": mgr.arena.nbytes},
+        "nonmodel_peak_bytes": {"predicted": peak - ws, "measured": int(mgr.nonmodel_peak_bytes)},
+        "working_set_bytes": {"predicted": ws, "measured": max(mgr.trace_pinned_bytes, default=0)},
+        "comm_bytes": mgr.mover.traffic.comm_bytes,
+    }
+
+
+def format_chunk_report(report: dict, rank: int = 0) -> str:
+    """A small predicted-vs-measured table of :func:`chunk_report`."""
+    lines = [f"[rank {rank}] cauto verify (chunked state)"]
+    for key in ("moved_bytes", "arena_bytes", "nonmodel_peak_bytes", "working_set_bytes"):
+        r = report[key]
+        lines.append(f"  {key:20s} predicted {r['predicted'] / 2**20:8.3f} MiB  measured {r['measured'] / 2**20:8.3f} MiB")
+    lines.append(f"  collective bytes     {report['comm_bytes'] / 2**20:8.3f} MiB")
+    return "\n".join(lines)
+
+
+__all__ = ["ChunkedParallelModule", "apply_chunked", "check_chunked", "chunk_report", "format_chunk_report"]

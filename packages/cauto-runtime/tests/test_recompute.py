@@ -1,0 +1,77 @@
+"""The ops backward recomputes are exactly the plan's checkpoint regions (nested ones once per level).
+
+One process on a fake 2-rank group (shapes and dispatch are real; the numbers are not checked
+here, the gloo parity tests do that): every node of a checkpoint sub-GraphModule is run through an
+``fx.Interpreter`` that records its name when autograd's engine is running it (recomputation).
+Expected: each region node once per region that contains it (an outer region's recomputation runs
+its inner region's forward again, and the inner region's backward recomputes it once more), and
+nothing else. The redistributions a region's nodes consume run again with them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.fx
+from conftest import fake_world, plan_for, zoo_capture
+from test_runtime import KW, megatron
+
+ATTENTION = ["linear", "view", "transpose", "linear_1", "view_1", "transpose_1", "linear_2", "view_2", "transpose_2",
+             "scaled_dot_product_attention", "transpose_3", "reshape", "linear_3"]
+MLP = ["layer_norm_1", "linear_4", "gelu", "linear_5"]
+BLOCK = ["layer_norm", *ATTENTION, "add_1", *MLP, "add_2"]
+
+
+class _Recorder(torch.fx.Interpreter):
+    def __init__(self, module, seen: list[str]):
+        super().__init__(module)
+        self.seen = seen
+
+    def run_node(self, n):
+        if n.op == "call_function" and torch._C._current_graph_task_id() != -1:
+            self.seen.append(n.name)
+        return super().run_node(n)
+
+
+def _recomputed(regions: list[dict], tp: bool, force: dict | None = None) -> tuple[Counter, Counter, Counter]:
+    from cauto.runtime.apply import apply
+    from cauto.runtime.dist_utils import make_mesh
+
+    fake_world(2)
+    placement = dict(inputs="R", params=megatron("gpt", 1)) if tp else dict(inputs="S(0)")
+    plan = plan_for("gpt", KW["gpt"], (2,), ["tp" if tp else "dp"], checkpoint=regions, force=force, **placement)
+    cap = zoo_capture("gpt", KW["gpt"])
+    from cauto.profiler import zoo
+
+    model = apply(lambda: zoo.gpt(**KW["gpt"]), plan, make_mesh((2,), ["tp" if tp else "dp"]), seed=0, captured=cap)
+    seen: list[str] = []
+    for name, sub in model.executable.module.named_modules():
+        if name.split(".")[-1].startswith("checkpoint_") and isinstance(sub, torch.fx.GraphModule):
+            sub.forward = (lambda s: lambda *args: _Recorder(s, seen).run(*args))(sub)
+    _, batch = zoo.gpt(**KW["gpt"])
+    model(**batch).backward()
+    depth = Counter()
+    for region in regions:
+        depth.update(region["nodes"])
+    plan_nodes = set(plan["nodes"])
+    nested_calls = ("checkpointed", "getitem")  # an outer region calling its inner one
+    extra = Counter(n for n in seen if n not in plan_nodes and not n.startswith(nested_calls))
+    return Counter(n for n in seen if n in plan_nodes), depth, extra
+
+
+def test_recomputed_ops_are_the_plans_regions_nested():
+    regions = [{"nodes": BLOCK, "children": [1]}, {"nodes": MLP}]
+    recomputed, expected, _ = _recomputed(regions, tp=False)
+    assert recomputed == expected
+    assert recomputed["linear_4"] == 2 and recomputed["linear"] == 1 and "add" not in recomputed
+
+
+def test_recomputed_redistributions_run_again():
+    """A plan edge into a region (batch-split activations all-gathered for a replicated layer norm):
+    its redistribution runs again with its consumer, once per enclosing region."""
+    regions = [{"nodes": BLOCK, "children": [1]}, {"nodes": ["layer_norm", *ATTENTION]}]
+    recomputed, expected, extra = _recomputed(regions, tp=False, force={"layer_norm": ["R", "R", "R"]})
+    assert recomputed == expected
+    # the all-gather into layer_norm (its redistribution node), recomputed by both regions, and nothing else
+    assert len(extra) == 1 and sum(extra.values()) == 2, extra

@@ -1,0 +1,316 @@
+"""Chunked model state (ALGORITHMS.md §4, PatrickStar) as the solver plans it: which parameters the
+runtime's chunk manager (``cauto.runtime.chunks``) holds, what the device still needs, what moves.
+
+Which parameters. A trainable, untied parameter whose storage placement is Replicate on every mesh
+axis (pure data-parallel state) is *chunked*: its fp32 value, gradient and Adam moments live in
+chunks of ``chunk_elems`` elements, ZeRO-sharded over the data-parallel group of all W devices of
+the mesh and paged between host and device. Every other parameter keeps its device state.
+
+Which plans. The runtime runs chunked state for pure data parallelism (``cauto.runtime.apply``):
+the model as written on each rank, on its slice of the batch. So the solve with chunked state
+plans exactly that (``restrict``): every parameter and buffer Replicate, every user input Shard(0)
+on every mesh axis of size > 1 (Replicate where its batch does not divide), and no redistribution
+edge (each costs ``EDGE_PENALTY_S`` in the ILP; a solution that still needs one, or whose
+predicted peak is over the budget, counts as infeasible: ``runnable``). Mixing chunked data-parallel state with
+tensor-parallel parameters is left for later.
+
+Chunk size: the runtime's own default rule (the least padding over sizes from the largest
+parameter up to budget/64 bytes, in steps of max(1024, that bound/2000) elements), over every
+trainable parameter; the plan records it (``offload.chunk_elems``) and the runtime uses it.
+
+Device memory per device (the documented model; ``ChunkedMemoryModel``):
+
+* A chunked parameter's value, gradient and optimizer state count nothing in the usual model
+  (memory.py): not in the always-live state, not at the end of backward, not in the optimizer step.
+* Instead the *working set*, the chunk bytes the device must hold at once, is always live:
+  2 parameter chunks (the backward's pinned ring; in forward a module's own parameters) + 1 fp32
+  gradient chunk (the one being accumulated) + the largest chunked gradient as autograd hands it
+  to the chunk: ``chunk_elems · (2·4 + 4) + 4 · largest numel``. The runtime's warm-up check
+  (chunks pinned at once) measured 2 parameter chunks on the MLP and GPT of the integration test.
+
+So ``peak = non-model + working set ≤ budget``. The runtime gets the whole budget
+(``offload.device_budget_bytes``) and sizes its chunk arena as the budget minus the non-model peak
+it measures in a warm-up step: the predicted arena is ``budget − (peak − working set)``; what it has
+beyond the working set caches chunks.
+
+Host link traffic per step and device (``traffic_bytes``; P: bytes of every parameter chunk, which
+each rank uses after the all-gather; G: their fp32 gradient chunks; O: the Adam moments of the
+chunks this rank owns, 8 bytes · elements / W; A: the arena; S = A − working set):
+
+* A ≥ P + G + O: everything stays on the device; only the other ranks' chunks, which the all-gather
+  brings through host memory, arrive: ``P · (W − 1) / W``.
+* otherwise every parameter chunk arrives once (after the host-side Adam update or the gather),
+  this rank's reduce-scattered gradient shard leaves once, and the parameter chunks the arena
+  cannot keep from forward to backward arrive again: ``P + G / W + max(0, P − S)``.
+
+It is an upper bound of the chunk manager's counted traffic: its Belady eviction keeps more than
+"every chunk again", and zero-filled gradient chunks never cross (measured on 2 gloo ranks: 2.4-2.9
+of 6.1 MB predicted for a 6-layer MLP, 1.25 of 1.90 MB for a 4-layer GPT at a 2 MiB budget; see
+integration_tests/test_offload_end_to_end.py). Seconds: bytes / the device's
+``host_link_bandwidth_bytes_per_s`` (``step_time_s.offload``, part of the total). The ILP sees one
+parameter at a time and prices a chunked one at its traffic without any caching,
+``(2 · bytes + 4 · numel / W) / bandwidth`` (``ChunkedCostModel``): an upper bound too.
+
+Collectives. The chunked parameters' gradient synchronization (``grad_sync``) is replaced by the
+chunk manager's: per group of W chunks an all-gather of W parameter chunks in forward and a
+reduce-scatter of W fp32 gradient chunks in backward (priced per mesh axis as DTensor's
+S(0)->R and P->S(0) would be), and one all-reduce of the per-parameter "has a gradient" flags in the
+optimizer step. When every trainable parameter is chunked and the plan has no redistribution
+edges, the runtime runs the model as written on each rank's slice of the batch: the collectives
+the DTensor program would run inside ops are dropped, the all-reduce of the loss stays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cauto.plan import GraphDocument, GraphNode, split_ref
+from cauto.solver.cluster import ClusterSpec
+from cauto.solver.cost import CostModel
+from cauto.solver.memory import MemoryModel, numel
+from cauto.solver.reshard import reshard
+from cauto.solver.strategies import Strategy
+
+OFFLOAD_MODES = ("none", "auto", "chunked")
+#: bytes per element of a chunked parameter, of its gradient chunk, of its Adam moments (fp32)
+PARAM_ITEMSIZE, GRAD_ITEMSIZE, ADAM_BYTES_PER_ELEM = 4, 4, 8
+#: parameter chunks the runtime pins at once (cauto.runtime.chunks.model.BACKWARD_PINS) and gradient chunks
+WORKING_SET_PARAM_CHUNKS, WORKING_SET_GRAD_CHUNKS = 2, 1
+ALIGN_ELEMS = 16  # cauto.runtime.chunks.chunk.ALIGN_ELEMS: every parameter starts 64 bytes aligned
+#: ILP seconds charged per redistribution edge: plans with chunked state run without any
+EDGE_PENALTY_S = 1e3
+
+
+def is_chunked(node: GraphNode, strategy: Strategy) -> bool:
+    """Whether a parameter stored with ``strategy`` is chunked (module docstring)."""
+    return (node.kind == "param" and not node.tied_to and node.requires_grad is not False
+            and all(p == "R" for p in strategy.outputs[0]))
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN_ELEMS - 1) // ALIGN_ELEMS * ALIGN_ELEMS
+
+
+def count_chunks(numels: list[int], chunk_elems: int, group_size: int = 1) -> int:
+    """Chunks of parameters packed in order (none spans two), padded to a multiple of ``group_size``."""
+    count, used = 0, None
+    for n in numels:
+        if used is None or used + n > chunk_elems:
+            count += 1
+            used = 0
+        used += _aligned(n)
+    return -(-count // group_size) * group_size
+
+
+def chunk_elems_for(numels: list[int], group_size: int, budget_bytes: int) -> int:
+    """The runtime's default chunk size (``chunk_module``'s search, one parameter group, fp32)."""
+    total = sum(numels)
+    per_elem = PARAM_ITEMSIZE + GRAD_ITEMSIZE
+    hi = min(total, max(budget_bytes // (8 * per_elem), 1))
+    step = max(1024, hi // 2000)
+    lo = max(_aligned(max(numels, default=1)), ALIGN_ELEMS)
+    hi = max(lo, hi)
+    best, best_waste, size = lo, None, lo
+    while size <= hi:
+        waste = count_chunks(numels, size, group_size) * size - total
+        if best_waste is None or waste < best_waste:
+            best, best_waste = size, waste
+        size = (size // step + 1) * step
+    return best
+
+
+@dataclass(frozen=True)
+class OffloadModel:
+    """Chunk size, group and link of one solve with chunked state (module docstring)."""
+
+    cluster: ClusterSpec
+    budget_bytes: int
+    chunk_elems: int
+    largest_param_elems: int
+
+    @classmethod
+    def for_graph(cls, graph: GraphDocument, cluster: ClusterSpec, budget_bytes: int) -> OffloadModel:
+        """The model for ``graph`` on ``cluster`` under a per-device budget."""
+        numels = [numel(n) for n in graph.nodes if n.kind == "param" and not n.tied_to and n.requires_grad is not False]
+        return cls(cluster, int(budget_bytes), chunk_elems_for(numels, cluster.world_size, budget_bytes),
+                   max(numels, default=0))
+
+    @property
+    def group_size(self) -> int:
+        """Devices the chunks are ZeRO-sharded over: the whole mesh."""
+        return self.cluster.world_size
+
+    @property
+    def host_link_bandwidth_bytes_per_s(self) -> float:
+        return float(self.cluster.device.host_link_bandwidth_bytes_per_s)
+
+    @property
+    def working_set_bytes(self) -> int:
+        """Chunk bytes the device must hold at once (module docstring)."""
+        return (self.chunk_elems * (WORKING_SET_PARAM_CHUNKS * PARAM_ITEMSIZE + WORKING_SET_GRAD_CHUNKS * GRAD_ITEMSIZE)
+                + GRAD_ITEMSIZE * self.largest_param_elems)
+
+    def param_transfer_s(self, node: GraphNode) -> float:
+        """The ILP's price of chunking one parameter: its traffic per step without caching."""
+        elems = numel(node)
+        return (2 * PARAM_ITEMSIZE * elems + GRAD_ITEMSIZE * elems / self.group_size) / self.host_link_bandwidth_bytes_per_s
+
+    def traffic_bytes(self, num_chunks: int, arena_bytes: int) -> int:
+        """Host link bytes per step of ``num_chunks`` chunks with an arena of ``arena_bytes`` (module docstring)."""
+        w = self.group_size
+        p = num_chunks * self.chunk_elems * PARAM_ITEMSIZE
+        g = num_chunks * self.chunk_elems * GRAD_ITEMSIZE
+        o = num_chunks // w * self.chunk_elems * ADAM_BYTES_PER_ELEM
+        if arena_bytes >= p + g + o:
+            return p * (w - 1) // w
+        spare = max(0, arena_bytes - self.working_set_bytes)
+        return p + g // w + max(0, p - spare)
+
+    def cost_model(self, base: CostModel) -> ChunkedCostModel:
+        """``base`` with chunked parameters priced at their traffic and edges penalized (``base`` stays
+        as ``.base``, the plan's step time)."""
+        m = ChunkedCostModel.__new__(ChunkedCostModel)
+        m.__dict__.update(base.__dict__)
+        m._edge_cache, m._pair_cache = {}, {}
+        m.offload, m.base = self, base
+        return m
+
+    def restrict(self, graph: GraphDocument, strategies: dict[str, list[Strategy]]) -> dict[str, list[Strategy]]:
+        """Only the placeholder strategies of pure data parallelism (module docstring)."""
+        mesh = tuple(self.cluster.mesh_shape)
+        split = tuple("S(0)" if n > 1 else "R" for n in mesh)
+        out = dict(strategies)
+        for n in graph.nodes:
+            if n.id not in strategies or n.kind not in ("param", "buffer", "input"):
+                continue
+            want = split if n.kind == "input" else ("R",) * len(mesh)
+            kept = [s for s in strategies[n.id] if s.outputs[0] == want]
+            if kept:  # an input whose batch does not divide stays as enumerated (Replicate)
+                out[n.id] = kept
+        return out
+
+    def runnable(self, graph: GraphDocument, chosen: dict[str, Strategy], memory: MemoryModel, budget: int) -> bool:
+        """Whether a solution is a plan the runtime runs with chunks: no edge, predicted peak within budget."""
+        by_id = graph.node_map()
+        nodes = [n for n in graph.nodes if n.kind != "output"]
+        for n in nodes:
+            for k, ref in enumerate(n.inputs):
+                src_id, o = split_ref(ref)
+                src = by_id[src_id]
+                have = chosen[src.tied_to].outputs[0] if src.kind == "param" and src.tied_to else chosen[src_id].outputs[o]
+                if have != chosen[n.id].inputs[k]:
+                    return False
+        return memory.predict(nodes, chosen)[0] <= budget
+
+    def memory_model(self, base: MemoryModel) -> ChunkedMemoryModel:
+        """A copy of the calibrated ``base`` that counts chunked parameters as the module docstring says."""
+        m = ChunkedMemoryModel.__new__(ChunkedMemoryModel)
+        m.__dict__.update(base.__dict__)
+        m.offload = self
+        return m
+
+    # ------------------------------------------------------------------ the plan document
+    def finish(self, plan: dict, graph: GraphDocument, chosen: dict[str, Strategy]) -> dict:
+        """Mark chunked parameters in ``plan`` (written with ``ChunkedMemoryModel``'s predictions) and
+        add their traffic, collectives and the ``offload`` section; return ``plan``."""
+        params = [n for n in graph.nodes if n.kind == "param"]
+        chunked = [n for n in params if is_chunked(n, chosen[n.id])]
+        if not chunked:
+            return plan
+        ids = {n.id for n in chunked}
+        for pid, entry in plan["params"].items():
+            node = next(n for n in params if n.id == pid)
+            if (node.tied_to or pid) in ids:
+                entry["state"] = "chunked"
+        num_chunks = count_chunks([numel(n) for n in chunked], self.chunk_elems, self.group_size)
+        pred = plan["predictions"]
+        nonmodel = pred["peak_bytes"] - self.working_set_bytes
+        arena = self.budget_bytes - nonmodel
+        moved = self.traffic_bytes(num_chunks, arena)
+        trainable = [n for n in params if not n.tied_to and n.requires_grad is not False]
+        plain = len(chunked) == len(trainable) and not plan["edges"]
+
+        def kept(c: dict) -> bool:
+            if c.get("phase") == "grad_sync" and c.get("where") in ids:
+                return False
+            return not plain or c.get("where") == "loss"
+
+        plan["grad_sync"] = [c for c in plan.get("grad_sync", []) if kept(c)]
+        collectives = [c for c in pred["collectives"] if kept(c)] + self._zero_collectives(num_chunks, len(chunked))
+        st = pred["step_time_s"]
+        st["communication"] = sum(c["cost_s"] for c in collectives)
+        st["offload"] = moved / self.host_link_bandwidth_bytes_per_s
+        st["total"] = st["compute"] + st["communication"] + st.get("recompute", 0.0) + st["offload"]
+        pred["collectives"] = collectives
+        plan["offload"] = {
+            "device_budget_bytes": self.budget_bytes, "chunk_elems": self.chunk_elems,
+            "mesh_axes": list(range(len(self.cluster.mesh_shape))), "num_chunks": num_chunks,
+            "working_set_bytes": self.working_set_bytes, "arena_bytes": int(arena), "moved_bytes": int(moved),
+            "host_link_bandwidth_bytes_per_s": self.host_link_bandwidth_bytes_per_s,
+        }
+        return plan
+
+    def _zero_collectives(self, num_chunks: int, num_params: int) -> list[dict]:
+        mesh = tuple(self.cluster.mesh_shape)
+        if self.group_size <= 1:
+            return []
+        links = tuple((a.latency_s, a.bandwidth_bytes_per_s) for a in self.cluster.axes)
+        dev = self.cluster.device
+        nd = len(mesh)
+        group_param_bytes = self.group_size * self.chunk_elems * PARAM_ITEMSIZE
+        group_grad_bytes = self.group_size * self.chunk_elems * GRAD_ITEMSIZE
+        out = []
+        for g in range(num_chunks // self.group_size):
+            where = f"chunk group {g}"
+            out += [c.to_dict("forward", where) for c in reshard(
+                ("S(0)",) * nd, ("R",) * nd, group_param_bytes, mesh, links, dev.kernel_floor_s, dev.all_to_all)]
+            out += [c.to_dict("backward", where) for c in reshard(
+                ("P(sum)",) * nd, ("S(0)",) * nd, group_grad_bytes, mesh, links, dev.kernel_floor_s, dev.all_to_all)]
+        out += [c.to_dict("optimizer", "chunked gradient flags") for c in reshard(
+            ("P(max)",) * nd, ("R",) * nd, 4 * num_params, mesh, links, dev.kernel_floor_s, dev.all_to_all)]
+        return out
+
+
+class ChunkedCostModel(CostModel):
+    """CostModel whose chunked parameters cost their host link traffic (``OffloadModel.param_transfer_s``)."""
+
+    offload: OffloadModel
+    base: CostModel
+
+    def compute_s(self, node: GraphNode, strategy: Strategy) -> float:
+        if is_chunked(node, strategy):
+            return self.offload.param_transfer_s(node)
+        return super().compute_s(node, strategy)
+
+    def edge_cost_s(self, src, dst, grad, nbytes: int, needs_grad: bool, fanout: int = 1) -> float:
+        return super().edge_cost_s(src, dst, grad, nbytes, needs_grad, fanout) + (EDGE_PENALTY_S if src != dst else 0.0)
+
+
+class ChunkedMemoryModel(MemoryModel):
+    """MemoryModel in which chunked parameters hold nothing but the working set (module docstring)."""
+
+    offload: OffloadModel
+
+    def state_bytes(self, node: GraphNode, strategy: Strategy) -> int:
+        return 0 if is_chunked(node, strategy) else super().state_bytes(node, strategy)
+
+    def grad_bytes(self, node: GraphNode, strategy: Strategy) -> int:
+        return 0 if is_chunked(node, strategy) else super().grad_bytes(node, strategy)
+
+    def breakdown(self, nodes: list[GraphNode], chosen: dict[str, Strategy],
+                  exact: bool = True) -> tuple[int, int, int, int, str]:
+        peak, state, rest, t, phase = super().breakdown(nodes, chosen, exact)
+        if any(n.id in chosen and is_chunked(n, chosen[n.id]) for n in nodes):
+            ws = self.offload.working_set_bytes
+            return peak + ws, state + ws, rest, t, phase
+        return peak, state, rest, t, phase
+
+    def _optimizer_extra(self, nodes, chosen) -> int:
+        # the optimizer's temporaries scale with the largest parameter it updates on the device
+        return super()._optimizer_extra([n for n in nodes if not (n.id in chosen and is_chunked(n, chosen[n.id]))],
+                                        chosen)
+
+
+def ilp_budget(budget_bytes: int, offload: OffloadModel | None) -> int:
+    """The budget the ILP's memory rows get: the working set is always live when anything is chunked."""
+    return budget_bytes - (offload.working_set_bytes if offload is not None else 0)

@@ -1,0 +1,68 @@
+"""device_timeline(plan, graph): the per-device check points behind a plan's predicted peak."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cauto.plan import GraphDocument, check_document
+from cauto.solver import InfeasibleBudgetError, SolverError, solve, synthetic
+from cauto.solver.device_memory import PHASES, device_timeline
+
+PROFILED = Path(__file__).parent / "data" / "profiled_gpt_graph.json"
+
+
+def _profiled() -> GraphDocument:
+    return GraphDocument.from_dict(check_document(json.loads(PROFILED.read_text()), "graph"))
+
+
+@pytest.mark.parametrize("graph_fn", [_profiled, lambda: synthetic.gpt(layers=2), synthetic.mlp])
+@pytest.mark.parametrize(("mesh", "budget_share"), [((2,), None), ((2, 2), None), ((4,), 0.6), ((2, 2), 0.45)])
+def test_timeline_peak_is_the_plans_predicted_peak(graph_fn, mesh, budget_share, make_cluster):
+    graph = graph_fn()
+    cluster = make_cluster(*mesh)
+    budget = None
+    if budget_share is not None:  # a budget under the replicated plan's peak, so that the plan shards
+        budget = int(budget_share * solve(graph, make_cluster(1)).get("predictions")["peak_bytes"])
+    try:
+        plan = solve(graph, cluster, memory_budget=budget)
+    except InfeasibleBudgetError:
+        pytest.skip("no plan fits this budget")
+    timeline = device_timeline(plan, graph)
+    pred = plan["predictions"]
+    assert timeline.peak_bytes == pred["peak_bytes"]
+    assert timeline.state_bytes == pred["model_state_bytes"]
+    assert [p for p in PHASES if p in timeline.phase_peaks()] == list(dict.fromkeys(p for p, _, _ in timeline.points))
+    nodes = (graph if isinstance(graph, GraphDocument) else GraphDocument.from_dict(graph)).nodes
+    ops = [n.id for n in nodes if n.kind == "op"]
+    assert [n for p, n, _ in timeline.points if p == "forward"] == ops
+    assert [n for p, n, _ in timeline.points if p == "backward"] == ops[::-1]
+    assert all(live >= timeline.state_bytes for _, _, live in timeline.points)
+
+
+def test_a_plan_for_another_graph_is_refused(make_cluster):
+    plan = solve(synthetic.mlp(), make_cluster(2))
+    with pytest.raises(ValueError, match="profile and solve again"):
+        device_timeline(plan, synthetic.gpt(layers=1))
+
+
+def test_a_strategy_this_solver_does_not_generate_is_refused(make_cluster):
+    graph = synthetic.mlp()
+    plan = solve(graph, make_cluster(2))
+    node = next(iter(plan["nodes"]))
+    plan["nodes"][node]["name"] = "no-such-strategy"
+    with pytest.raises(SolverError, match="solve the plan again"):
+        device_timeline(plan, graph)
+
+
+@pytest.mark.parametrize("graph_fn", [synthetic.mlp, lambda: synthetic.gpt(layers=2)])
+def test_chunked_state_counts_the_working_set(graph_fn, make_cluster):
+    graph = graph_fn()
+    budget = int(0.9 * solve(graph, make_cluster(2))["predictions"]["peak_bytes"])
+    plan = solve(graph, make_cluster(2), memory_budget=budget, offload=True)
+    assert any(p["state"] == "chunked" for p in plan["params"].values())
+    timeline = device_timeline(plan, graph)
+    assert timeline.peak_bytes == plan["predictions"]["peak_bytes"]
+    assert timeline.state_bytes == plan["predictions"]["model_state_bytes"] >= plan["offload"]["working_set_bytes"]
