@@ -75,6 +75,15 @@ def run_ranks(world: int, jobs: list[dict], tmp: Path, timeout_s: float = 240) -
     return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _no_fake_world_left():
+    """A fake default group left by one module (fake_world) would make the next one's chunk
+    manager run ZeRO over fake collectives: tear it down after every module."""
+    yield
+    if dist.is_initialized() and dist.get_backend() == "fake":
+        dist.destroy_process_group()
+
+
 @pytest.fixture(autouse=True)
 def _threads():
     torch.set_num_threads(1)
