@@ -4,7 +4,9 @@
 wraps the model so that the graph ends in the training loss, and exports it with
 ``torch.export.export(strict=False)`` (training IR: ATen ops that autograd can differentiate).
 Node names of that graph are the node ids of the graph document and of the plan, so the runtime,
-which captures the same factory again, executes exactly the nodes the solver planned.
+which captures the same factory again, executes exactly the nodes the solver planned. Models with a
+list of identical blocks export three of them and stamp the others (:mod:`cauto.profiler.stamp`):
+the same graph, names included.
 
 Loss rule: the output's ``.loss`` if it has one, else the output if it is a scalar, else the sum
 of the first output tensor.
@@ -110,6 +112,8 @@ class Capture:
     tied: dict[str, str] = field(default_factory=dict)
     #: data-dependent size symbol -> the size hint it was given (see cauto.profiler.hints)
     sym_values: dict = field(default_factory=dict)
+    #: how the repeated blocks were captured: 'stamped model.layers.3..31 from model.layers.2' or why not
+    stamping: str = ""
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -173,14 +177,43 @@ def _mark_checkpoints():
         ckpt._checkpoint_without_reentrant_generator = original
 
 
-def capture(fn: ModelFactory) -> Capture:
-    """Build the model on meta, export its loss graph, and return the Capture."""
+def capture(fn: ModelFactory, *, stamp: bool | None = None) -> Capture:
+    """Build the model on meta, export its loss graph, and return the Capture.
+
+    Models with a repeated block (a ModuleList of identical layers) export only their first three
+    blocks and stamp the others (:mod:`cauto.profiler.stamp`), giving the graph a whole-model export
+    gives, names included. ``stamp=False`` (or ``CAUTO_STAMP=0``) always exports the whole model;
+    ``CAUTO_STAMP=verify`` exports both ways and raises CaptureError if they differ.
+    """
+    from cauto.profiler.stamp import differences, stamp_mode, stamped_export
+
     model, args, kwargs = build_on_meta(fn)
     model.train()
     wrapper = LossWrapper(model)
+    mode = stamp_mode(stamp)
+    exported, note = None, "stamping off"
+    if mode != "off":
+        exported, note = stamped_export(wrapper, lambda: _export(wrapper, args, kwargs))
+    if exported is None or mode == "verify":
+        whole = _export(wrapper, args, kwargs)
+        if exported is not None:
+            diff = differences(exported, whole)
+            if diff:
+                raise CaptureError(f"the stamped graph differs from the whole-model export ({note}): "
+                                   + "; ".join(diff))
+            note += " (verified)"
+        exported = whole
+    cap = Capture(exported, model, args, kwargs, *_placeholders(exported))
+    cap.sym_values = _data_dependent_sizes(exported)
+    cap.stamping = note
+    return cap
+
+
+def _export(wrapper: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+    """torch.export of the loss wrapper (checkpointed regions marked); CaptureError saying why not."""
     try:
-        with _mark_checkpoints():
-            exported = torch.export.export(wrapper, args, kwargs, strict=False)
+        with _mark_checkpoints(), _lazy_recompiles():
+            return torch.export.export(wrapper, args, kwargs, strict=False)
     except Exception as exc:  # torch raises many types here; the message is what the user needs
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         hint = ""
@@ -191,9 +224,16 @@ def capture(fn: ModelFactory) -> Capture:
                     "apply before capture: make the size static or use torch._check (ops with data-dependent "
                     "output sizes such as nonzero/masked_select are fine: see cauto.profiler.size_hint)")
         raise CaptureError(f"torch.export could not capture the model: {first}{hint}") from exc
-    cap = Capture(exported, model, args, kwargs, *_placeholders(exported))
-    cap.sym_values = _data_dependent_sizes(exported)
-    return cap
+
+
+def _lazy_recompiles():
+    """Export's intermediate GraphModules generate their code only if used (about 10% of an export);
+    the ExportedProgram's own GraphModule is compiled as always."""
+    try:
+        from torch.fx._lazy_graph_module import _use_lazy_graph_module
+    except ImportError:  # pragma: no cover - older torch
+        return contextlib.nullcontext()
+    return _use_lazy_graph_module(True)
 
 
 def _user_frame(exc: BaseException) -> str:

@@ -108,10 +108,12 @@ def _plot(prof, path: str) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, progress=None) -> int:
+    """Entry point of `cauto-profile`; returns the exit status. ``progress(phase, done, total)``, when
+    given, follows the profile (see :mod:`cauto.profiler.progress`; the `cauto` command draws it)."""
     args = build_parser().parse_args(argv)
     try:
-        return _run(args)
+        return _run(args, progress)
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # every failure is reported in one line; the traceback only with --debug
@@ -129,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
 
 
-def _run(args) -> int:
+def _run(args, progress=None) -> int:
     import torch
 
     from cauto.profiler.capture import CaptureError
@@ -149,7 +151,8 @@ def _run(args) -> int:
 
     factory.__name__ = getattr(fn, "__name__", "model")
     prof = profile(factory, train=not args.inference, optimizer=args.optimizer, device=args.device, dtype=dtype,
-                   autocast=args.autocast, steps=args.steps, device_model=args.device_model, size_hints=hints)
+                   autocast=args.autocast, steps=args.steps, device_model=args.device_model, size_hints=hints,
+                   progress=progress)
     doc = prof.to_graph() if args.output else None  # build (and validate) before writing anything
     if args.plot:
         _plot(prof, args.plot)

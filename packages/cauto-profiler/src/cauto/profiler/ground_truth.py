@@ -15,11 +15,14 @@ exact on one thread. CPU only: backward runs on the calling thread there.
 from __future__ import annotations
 
 import gc
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.fx
 import torch.utils._pytree as pytree
+import torch.utils.checkpoint
 
 from cauto.profiler.capture import LossWrapper, split_inputs
 from cauto.profiler.training import cast_inputs, make_optimizer, run_steps, unique_storage_bytes
@@ -45,9 +48,11 @@ def measure(fn: Callable, *, train: bool = True, optimizer: str = "adamw", dtype
     """Build ``fn()`` for real on CPU and measure the peak live bytes of ``steps`` training steps.
 
     ``run="eager"`` calls the model as written; ``run="graph"`` exports the real model exactly as
-    capture does and runs that graph (what cauto's runtime executes). They differ when a model takes
-    another code path under tracing — stock Hugging Face models build an explicit attention mask when
-    traced, and skip it in eager — or uses torch.utils.checkpoint (export flattens it; use eager).
+    capture does and runs that graph (what cauto's runtime executes), its checkpointed nodes again
+    under non-reentrant torch.utils.checkpoint (export flattens them; capture marks them). They differ
+    where a model takes another code path under tracing — stock Hugging Face models build an explicit
+    attention mask when traced, and skip it in eager — and where eager Python keeps locals alive past
+    their last use (Hugging Face's GPT-2 holds its embeddings until the model's forward returns).
     """
     torch.manual_seed(seed)
     model, inputs = fn()
@@ -65,6 +70,7 @@ def measure(fn: Callable, *, train: bool = True, optimizer: str = "adamw", dtype
 
         with _mark_checkpoints():
             wrapper = torch.export.export(wrapper, args, kwargs, strict=False).module()
+        _checkpoint_regions(wrapper)
     elif run != "eager":
         raise ValueError(f"run must be 'eager' or 'graph', not {run!r}")
     opt = make_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad], device="cpu") if train else None
@@ -92,6 +98,53 @@ def measure(fn: Callable, *, train: bool = True, optimizer: str = "adamw", dtype
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         run_steps(forward, opt, steps=steps, train=train, mark=mark)
     return _analyse(prof, baseline)
+
+
+def _checkpoint_regions(gm: torch.fx.GraphModule) -> None:
+    """Put each run of consecutive nodes marked with one checkpoint region (capture's marks) back
+    under non-reentrant torch.utils.checkpoint, as the profiler's executor runs it (in place)."""
+    from cauto.profiler.capture import CHECKPOINT_KEY
+
+    def region_of(n: torch.fx.Node):
+        custom = n.meta.get("custom")
+        return custom.get(CHECKPOINT_KEY) if n.op == "call_function" and isinstance(custom, dict) else None
+
+    runs: list[list[torch.fx.Node]] = []
+    last = None
+    for n in gm.graph.nodes:
+        r = region_of(n)
+        if r is not None and r == last:
+            runs[-1].append(n)
+        elif r is not None:
+            runs.append([n])
+        last = r
+    for i, nodes in enumerate(runs):
+        _cut_region(gm, nodes, f"cauto_checkpoint_{i}")
+    if runs:
+        gm.graph.lint()
+        gm.recompile()
+
+
+def _checkpointed(region: torch.nn.Module, *args):
+    return torch.utils.checkpoint.checkpoint(region, *args, use_reentrant=False)
+
+
+def _cut_region(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], attr: str) -> None:
+    inside = set(nodes)
+    inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in inside))
+    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+    sub = torch.fx.Graph()
+    env = {a: sub.placeholder(a.name) for a in inputs}
+    for n in nodes:
+        env[n] = sub.node_copy(n, lambda x: env[x])
+    sub.output(tuple(env[o] for o in outputs))
+    gm.add_submodule(attr, torch.fx.GraphModule(gm, sub))
+    with gm.graph.inserting_before(nodes[0]):
+        call = gm.graph.call_function(_checkpointed, (gm.graph.get_attr(attr), *inputs))
+        for k, o in enumerate(outputs):
+            o.replace_all_uses_with(gm.graph.call_function(operator.getitem, (call, k)))
+    for n in reversed(nodes):
+        gm.graph.erase_node(n)
 
 
 def _analyse(prof, baseline: int) -> Measured:

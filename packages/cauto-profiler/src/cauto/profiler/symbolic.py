@@ -13,14 +13,17 @@ the real allocator. Each allocation is attributed to the graph node that ran it:
 executor says which; in backward the running autograd node's sequence number maps back to the
 forward node that created it. Checkpointed regions (torch.utils.checkpoint, non-reentrant,
 marked at capture) run under the same checkpoint, so recomputation shows up where it happens.
-What kernels allocate internally, out of the dispatcher's sight, is modelled where it is known
-(wrapped Python scalars, CPU mse_loss, checkpoint's RNG state); see ``Profile.modelled_effects``.
+What kernels allocate internally, out of the dispatcher's sight, is modelled: wrapped Python
+scalars, checkpoint's RNG state, and on CPU the buffers of the kernels that allocate inside
+themselves (oneDNN convolutions and matmuls, some ATen kernels), asked of the real kernel once per op
+and metadata (:mod:`cauto.profiler.kernel_allocs`); see ``Profile.modelled_effects``.
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
+import itertools
 import operator
 import weakref
 from collections import defaultdict
@@ -34,6 +37,7 @@ from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
     FakeTensorMode,
+    is_fake,
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
@@ -41,6 +45,8 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from cauto.profiler.capture import Capture, CaptureError, capture, concrete_int, module_path, output_tensors
 from cauto.profiler.devices import DeviceModel, get_device_model
 from cauto.profiler.hints import current_hints, size_hint
+from cauto.profiler.kernel_allocs import KERNELS, MAX_BYTES, MAX_FLOPS, cpu_description, kernel_allocs
+from cauto.profiler.progress import ProgressFn, StepProgress
 from cauto.profiler.training import OPTIMIZERS, make_optimizer, run_steps, unique_storage_bytes, with_dtype
 
 _AUTOCAST = {None: None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
@@ -68,22 +74,6 @@ for _name, _fn in (("_scaled_dot_product_flash_attention_for_cpu", _sdpa_cpu_fwd
     _packet = getattr(torch.ops.aten, _name, None)
     if _packet is not None and _packet not in FLOP_FORMULAS:
         FLOP_FORMULAS[_packet] = _fn
-
-
-def _mse_loss_cpu(args, kwargs, out):
-    """CPU mse_loss with a reduction computes the elementwise loss into an input-sized buffer,
-    reduces into a second one that the scalar result keeps as its storage, and briefly holds a
-    double and a float scalar: (transient bytes, storage bytes of the output)."""
-    reduction = args[2] if len(args) > 2 else kwargs.get("reduction", 1)
-    if reduction == 0:
-        return 0, None
-    n = _nbytes(args[0])
-    return n + 12, n
-
-
-#: CPU kernels whose internal allocations fake tensors cannot see: op -> f(args, kwargs, out)
-#: returning (bytes alive only inside the kernel, storage bytes of the output or None).
-CPU_KERNEL_EFFECTS: dict = {torch.ops.aten.mse_loss.default: _mse_loss_cpu}
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -199,10 +189,12 @@ class Profile:
 class _Tracker(TorchDispatchMode):
     """Counts live storage bytes at the dispatch level and attributes ops to graph nodes."""
 
-    def __init__(self, block: int = 0, count_costs: bool = True, kernel_effects: dict | None = None):
+    def __init__(self, block: int = 0, count_costs: bool = True, ask_kernels: bool = False):
         super().__init__()
         self.block = block
-        self.kernel_effects = kernel_effects or {}
+        #: CPU: ops whose kernels allocate inside themselves are asked what (kernel_allocs)
+        self.ask_kernels = ask_kernels
+        self.unasked = 0  #: calls of such kernels above the asking limits (not modelled)
         #: f(func, args, kwargs, node name) -> output of a data-dependent op, from size hints
         self.data_dependent: Callable | None = None
         self.special: dict = {}
@@ -213,6 +205,8 @@ class _Tracker(TorchDispatchMode):
         self.wrapped_scalars = False
         self.scalar_slots: dict = {}
         self.pending = 0
+        #: names of the arguments given a Python number since the current forward node began
+        self.wrapped_names: set[str] = set()
         self.memo_kind: dict = {}
         self.memo: dict = {}
         self.live: dict[int, tuple[int, str | None, str, int]] = {}  # storage key -> (bytes, node, phase, step)
@@ -235,6 +229,8 @@ class _Tracker(TorchDispatchMode):
         self.transient: dict[str, int] = {}
         self._win_node: str | None = None
         self._win_start = self._win_max = 0
+        #: progress: called with the forward node whose backward runs (None: no progress reported)
+        self.on_backward: Callable[[str | None], None] | None = None
 
     # --- phases -------------------------------------------------------------------------------
     def mark(self, phase: str, step: int) -> None:
@@ -254,6 +250,22 @@ class _Tracker(TorchDispatchMode):
             self.phase_peak[self.phase] = live
 
     # --- attribution --------------------------------------------------------------------------
+    def keep_saved_numbers(self, name: str, outputs) -> None:
+        """After a forward node ran: a Python number its autograd node saved for backward (mul's other
+        factor, div's divisor) is the wrapped 0-dim CPU tensor the Python argument parser made before
+        dispatch; it lives until backward releases the node, inside checkpoint regions too (autograd
+        exempts wrapped numbers from saved-tensor hooks). Only the attributes named after arguments
+        that got a number are read: unpacking another saved tensor would run checkpoint's hooks."""
+        if not self.wrapped_names:
+            return
+        names, self.wrapped_names = self.wrapped_names, set()
+        for t in outputs:
+            fn = t.grad_fn if isinstance(t, torch.Tensor) else None
+            for arg in names if fn is not None else ():
+                v = getattr(fn, f"_saved_{arg}", None)
+                if isinstance(v, torch.Tensor) and v.dim() == 0 and v.device.type == "cpu" and not is_fake(v):
+                    self.register(v, name)
+
     def note_forward_node(self, name: str, outputs) -> None:
         """After a forward node ran: remember which autograd sequence numbers it created."""
         best = -1
@@ -334,6 +346,7 @@ class _Tracker(TorchDispatchMode):
                     self.transient[self._win_node] = t
             self._win_node, self._win_start, self._win_max = name, self.live_bytes, self.live_bytes
         self.node = name
+        self.wrapped_names.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -346,6 +359,9 @@ class _Tracker(TorchDispatchMode):
             self.scalar_slots[func] = _scalar_slots(func) if self.wrapped_scalars else ()
         slots = self.scalar_slots[func]
         self.pending = _wrapped_bytes(args, slots) if slots else 0
+        if self.pending and self.phase == "forward" and self.recompute is None:
+            arguments = func._schema.arguments
+            self.wrapped_names.update(arguments[i].name for i in slots if i < len(args) and _is_number(args[i]))
         if kind == 2:  # in-place op on meta tensors: nothing to compute or allocate
             if self.pending:
                 self._momentary(self.pending, self.current_node())
@@ -378,15 +394,20 @@ class _Tracker(TorchDispatchMode):
 
     def _after(self, func, args, kwargs, out):
         node = self.current_node()
+        if self.on_backward is not None and self.phase == "backward":
+            self.on_backward(node)
         if func.is_view and func is not _LIFT_FRESH:  # torch.tensor(...) literals arrive by lift_fresh
             return out
-        effect = self.kernel_effects.get(func)
-        if effect is not None and isinstance(out, torch.Tensor):
-            transient, storage = effect(args, kwargs, out)
-            self.register(out, node, storage)
-            if transient:
-                self._momentary(transient, node)
-        elif type(out) is tuple or type(out) is list:
+        if not (self.ask_kernels and func in KERNELS and self._kernel_allocs(func, args, kwargs, out, node)):
+            self._register_outputs(out, node)
+        if self.pending:
+            self._momentary(self.pending, node)
+        if self.count_costs and self.step == 1 and self.phase in ("forward", "backward"):
+            self._count(func, args, kwargs, out, node)
+        return out
+
+    def _register_outputs(self, out, node: str | None) -> None:
+        if type(out) is tuple or type(out) is list:
             for t in out:
                 if isinstance(t, torch.Tensor):
                     self.register(t, node)
@@ -396,11 +417,25 @@ class _Tracker(TorchDispatchMode):
                             self.register(u, node)
         elif isinstance(out, torch.Tensor):
             self.register(out, node)
-        if self.pending:
-            self._momentary(self.pending, node)
-        if self.count_costs and self.step == 1 and self.phase in ("forward", "backward"):
-            self._count(func, args, kwargs, out, node)
-        return out
+
+    def _kernel_allocs(self, func, args, kwargs, out, node) -> bool:
+        """A kernel that allocates inside itself: its measured in-call peak, then its outputs with
+        their real storage bytes. False when it could not be asked (the caller registers as usual)."""
+        formula = FLOP_FORMULAS.get(func._overloadpacket)
+        try:
+            flops = formula(*args, out_val=out, **kwargs) if formula is not None else 0
+        except Exception:  # noqa: BLE001 - a formula that does not take these arguments
+            flops = 0
+        asked = kernel_allocs(func, args, kwargs, out, flops)
+        if asked is None:
+            self.unasked += 1
+            return False
+        self.pending = 0  # the measured call already held any wrapped Python numbers
+        self._momentary(asked.peak_bytes, node)
+        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        for t, nbytes in zip(outs, asked.output_bytes):
+            self.register(t, node, nbytes)
+        return True
 
     def _momentary(self, nbytes: int, node: str | None) -> None:
         """Bytes alive only inside the current kernel (no storage the dispatcher can see)."""
@@ -456,6 +491,10 @@ def _memo_kind(func) -> int:
 def _scalar_slots(func) -> tuple:
     """Positions of Tensor-typed arguments (where a Python number gets wrapped into a tensor)."""
     return tuple(i for i, a in enumerate(func._schema.arguments) if str(a.type) == "Tensor" and not a.kwarg_only)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _wrapped_bytes(args, slots) -> int:
@@ -598,8 +637,47 @@ def _special_ops(device: str) -> dict:
             raise CaptureError(".item() of a tensor value cannot be known symbolically")
         return tracker.data_dependent(func, args, kwargs, tracker.node)
 
-    return {torch.ops.aten._fused_sdp_choice.default: sdp_choice,
-            torch.ops.aten._local_scalar_dense.default: local_scalar}
+    ops = {torch.ops.aten._fused_sdp_choice.default: sdp_choice,
+           torch.ops.aten._local_scalar_dense.default: local_scalar}
+    if device == "cpu":
+        ops.update(dict.fromkeys(_CPU_NORMS, _norm_cpu))
+    return ops
+
+
+_aten = torch.ops.aten
+#: CPU norm kernels: op -> (positions of weight and bias, whether a `training` flag is args[5]).
+_CPU_NORMS = {_aten.native_layer_norm.default: ((2, 3), False),
+              _aten.native_group_norm.default: ((1, 2), False),
+              _aten.native_batch_norm.default: ((1, 2), True),
+              _aten._native_batch_norm_legit.default: ((1, 2), True),
+              _aten._native_batch_norm_legit_functional.default: ((1, 2), True),
+              _aten._native_batch_norm_legit_no_training.default: ((1, 2), False)}
+
+
+def _norm_cpu(tracker, func, args, kwargs):
+    """A norm op with the saved statistics the CPU kernel returns (outputs 1 and 2), which the meta
+    kernels get wrong for bf16/fp16: ATen's param_scalar_type keeps them in the input's dtype, or
+    in float when weight or bias has another dtype (meta: always float for layer and batch norm,
+    always the input's for group norm). Batch norm outside training saves empty statistics, and
+    the functional variant returns the new running statistics in their own dtype."""
+    outs = list(func(*args, **kwargs))
+    x = args[0]
+    (w, b), has_flag = _CPU_NORMS[func]
+    params = [p for p in (args[w] if len(args) > w else kwargs.get("weight"),
+                          args[b] if len(args) > b else kwargs.get("bias")) if isinstance(p, torch.Tensor)]
+    dtype = x.dtype
+    if params and params[0].dtype != x.dtype and x.dtype in (torch.bfloat16, torch.float16):
+        dtype = torch.float32
+    training = args[5] if has_flag and len(args) > 5 else kwargs.get("training", True)
+    empty = func is _aten._native_batch_norm_legit_no_training.default or (has_flag and not training)
+    for i in (1, 2):
+        if outs[i].dtype != dtype or (empty and outs[i].numel()):
+            outs[i] = torch.empty((0,) if empty else outs[i].shape, dtype=dtype, device=outs[i].device)
+    if func is _aten._native_batch_norm_legit_functional.default:
+        for i, stat in ((3, args[3]), (4, args[4])):
+            if outs[i].dtype != stat.dtype:
+                outs[i] = torch.empty_like(outs[i], dtype=stat.dtype)
+    return tracker._after(func, args, kwargs, tuple(outs))
 
 
 # ---------------------------------------------------------------------------------------- executor
@@ -640,10 +718,17 @@ class _Executor:
             else:
                 items.append(("node", n, None))
         self.items = items
-        # last use of every value, in terms of item index
+        #: progress: called with the forward nodes run so far in this step (None: no progress reported)
+        self.on_forward: Callable[[int], None] | None = None
+        self.nodes_through = list(itertools.accumulate(len(what) if kind == "region" else 1
+                                                       for kind, what, _ in items))
+        # last use of every value, in terms of item index; a value nothing uses dies where it is
+        # made (as in the GraphModule's generated code, which the real run executes)
         last: dict[torch.fx.Node, int] = {}
         for i, (kind, what, _) in enumerate(items):
             for n in (what if kind == "region" else [what]):
+                if kind == "node" and not n.users:
+                    last[n] = i
                 for a in n.all_input_nodes:
                     last[a] = i
         self.free_after: list[list[torch.fx.Node]] = [[] for _ in items]
@@ -664,6 +749,8 @@ class _Executor:
             used_after = [n for n in what if any(u not in inside for u in n.users)]
             inner_last: dict[torch.fx.Node, int] = {}
             for j, n in enumerate(what):
+                if not n.users:
+                    inner_last[n] = j
                 for a in n.all_input_nodes:
                     if a in inside:
                         inner_last[a] = j
@@ -678,7 +765,10 @@ class _Executor:
         out = self.targets.get(n, n.target)(*args, **kwargs)
         env[n] = out
         if self.train and n.target is not operator.getitem:
-            self.tracker.note_forward_node(n.name, out if isinstance(out, (tuple, list)) else (out,))
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            self.tracker.note_forward_node(n.name, outs)
+            if self.tracker.wrapped_scalars:
+                self.tracker.keep_saved_numbers(n.name, outs)
 
     def _run_region(self, i: int, env: dict) -> None:
         nodes = self.items[i][1]
@@ -691,21 +781,26 @@ class _Executor:
             if recompute and self.rng_bytes:
                 # torch.random.fork_rng saves the CPU RNG state for the recomputation
                 fork_state = torch.empty(self.rng_bytes, dtype=torch.uint8, device=self.device)  # noqa: F841
-            for j, n in enumerate(nodes):
-                if recompute:
-                    tracker.recompute = n.name
-                else:
-                    tracker.begin_node(n.name)
-                args, kwargs = torch.fx.node.map_arg(self.node_args.get(n) or (n.args, n.kwargs),
-                                                     lambda a: local[a])
-                out = self.targets.get(n, n.target)(*args, **kwargs)
-                local[n] = out
-                if not recompute and self.train and n.target is not operator.getitem:
-                    tracker.note_forward_node(n.name, out if isinstance(out, (tuple, list)) else (out,))
-                for a in inner_free[j]:
-                    del local[a]
-            if recompute:
-                tracker.recompute = None
+            try:
+                for j, n in enumerate(nodes):
+                    if recompute:
+                        tracker.recompute = n.name
+                    else:
+                        tracker.begin_node(n.name)
+                    args, kwargs = torch.fx.node.map_arg(self.node_args.get(n) or (n.args, n.kwargs),
+                                                         lambda a: local[a])
+                    out = self.targets.get(n, n.target)(*args, **kwargs)
+                    local[n] = out
+                    if not recompute and self.train and n.target is not operator.getitem:
+                        outs = out if isinstance(out, (tuple, list)) else (out,)
+                        tracker.note_forward_node(n.name, outs)
+                        if tracker.wrapped_scalars:
+                            tracker.keep_saved_numbers(n.name, outs)
+                    for a in inner_free[j]:
+                        del local[a]
+            finally:
+                if recompute:  # checkpoint's early stop ends a recomputation by raising inside it
+                    tracker.recompute = None
             return tuple(local[n] for n in used_after)
 
         if self.train and torch.is_grad_enabled():
@@ -737,6 +832,8 @@ class _Executor:
                 self._run_region(i, env)
             for a in self.free_after[i]:
                 env.pop(a, None)
+            if self.on_forward is not None:
+                self.on_forward(self.nodes_through[i])
         tracker.begin_node(None)
         loss = pytree.tree_leaves(self.output.args)[0]
         value = env[loss]
@@ -796,7 +893,7 @@ def _fake_state(cap: Capture, mode: FakeTensorMode | None) -> tuple[dict, list, 
     return env, ordered, inputs
 
 
-def _modelled_effects(device: str) -> list[str]:
+def _modelled_effects(device: str, unasked: int = 0) -> list[str]:
     effects = ["storage-level live bytes (views and tied parameters share storage)",
                "autograd saved tensors and their release during backward",
                "gradient accumulation and set_to_none zero_grad",
@@ -813,9 +910,15 @@ def _modelled_effects(device: str) -> list[str]:
     else:
         effects += ["SDPA backend picked by torch's own CPU choice (flash saves output and logsumexp)",
                     "per-parameter optimizer loop (CPU default)",
-                    "Python numbers wrapped into 8-byte CPU tensors (and their cast) during an op",
-                    "CPU mse_loss's input-sized result buffer", "checkpoint's saved CPU RNG state per region",
-                    "NOT modelled: oneDNN scratch/reorders inside CPU convolutions and bf16 matmuls"]
+                    "Python numbers wrapped into 8-byte CPU tensors (and their cast) during an op, and until "
+                    "backward where autograd saves them",
+                    "checkpoint's saved CPU RNG state per region",
+                    f"kernels' internal CPU allocations (oneDNN convolution reorders and scratchpads, "
+                    f"bf16/fp16 matmul scratchpads, flash attention, norm and reduction temporaries): "
+                    f"asked of the real kernel once per op and metadata on this CPU ({cpu_description()})"]
+        if unasked:
+            effects.append(f"NOT modelled: internal allocations of {unasked} such kernel calls above the asking "
+                           f"limits ({MAX_FLOPS:.0e} FLOPs or {MAX_BYTES // 2**20} MiB of tensors)")
     return effects
 
 
@@ -823,7 +926,7 @@ def profile(fn: Callable, *, train: bool = True, optimizer: str = "adamw", devic
             dtype: torch.dtype | str | None = None, autocast: str | None = None, steps: int = 2,
             device_model: DeviceModel | str | None = None, name: str | None = None,
             cap: Capture | None = None, size_hints: dict[str, int] | None = None,
-            tensors: str | None = None) -> Profile:
+            tensors: str | None = None, progress: ProgressFn | None = None) -> Profile:
     """Profile ``steps`` training steps of the model ``fn()`` returns, without allocating it.
 
     ``fn()`` returns ``(model, inputs)`` and is called on the meta device. ``dtype`` casts the model
@@ -834,11 +937,14 @@ def profile(fn: Callable, *, train: bool = True, optimizer: str = "adamw", devic
     (see :mod:`cauto.profiler.hints`). ``tensors`` is 'meta' (default: fastest) or 'fake'
     (FakeTensorMode; used for autocast, which only applies to tensors on a real device type); both
     give the same bytes: the tracker picks the SDPA kernel the modelled device would.
+    ``progress(phase, done, total)``, when given, hears the capture and the symbolic steps as they
+    go (:mod:`cauto.profiler.progress`); without it nothing is counted.
     """
     if size_hints:
         with size_hint(**size_hints):
             return profile(fn, train=train, optimizer=optimizer, device=device, dtype=dtype, autocast=autocast,
-                           steps=steps, device_model=device_model, name=name, cap=cap, tensors=tensors)
+                           steps=steps, device_model=device_model, name=name, cap=cap, tensors=tensors,
+                           progress=progress)
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {OPTIMIZERS}")
     if device not in ("cpu", "cuda"):
@@ -851,11 +957,15 @@ def profile(fn: Callable, *, train: bool = True, optimizer: str = "adamw", devic
         raise ValueError(f"unknown autocast {autocast!r}; expected 'bf16' or 'fp16'")
     name = name or getattr(fn, "__name__", "model")
     if cap is None:
+        if progress is not None:
+            progress("capture", 0, 1)
         cap = capture(with_dtype(fn, dtype))
+    if progress is not None:
+        progress("capture", 1, 1)
     dm = get_device_model(device_model, device)
 
     tracker = _Tracker(block=_CUDA_BLOCK if device == "cuda" else 0,
-                       kernel_effects=CPU_KERNEL_EFFECTS if device == "cpu" else {})
+                       ask_kernels=device == "cpu")
     tensors = tensors or ("fake" if autocast else "meta")
     if tensors not in ("meta", "fake"):
         raise ValueError(f"tensors must be 'meta' or 'fake', not {tensors!r}")
@@ -876,6 +986,10 @@ def profile(fn: Callable, *, train: bool = True, optimizer: str = "adamw", devic
     rng_bytes = torch.get_rng_state().numel() if device == "cpu" else 0
     executor = _Executor(cap, env0, tracker, train, rng_bytes=rng_bytes, device=tensor_device,
                          device_model=device)
+    counter = None
+    if progress is not None:
+        counter = StepProgress(progress, [n.name for n in executor.nodes], steps, train, optimizer != "none")
+        executor.on_forward, tracker.on_backward = counter.forward_done, counter.backward_at
     by_name = {n.name: n for n in cap.graph.nodes}
 
     def data_dependent(func, args, kwargs, node_name):
@@ -916,6 +1030,8 @@ def profile(fn: Callable, *, train: bool = True, optimizer: str = "adamw", devic
                     if ph == "forward" and st == 1 and node is not None:
                         saved_at_backward[node] = saved_at_backward.get(node, 0) + nbytes
             tracker.mark(phase, step)
+            if counter is not None:
+                counter.mark(phase, step)
 
         run_steps(forward, opt, steps=steps, train=train, mark=mark)
     del opt, env0, params
@@ -929,7 +1045,7 @@ def profile(fn: Callable, *, train: bool = True, optimizer: str = "adamw", devic
                 "autocast": autocast, "steps": steps}
     return Profile(name=name, capture=cap, settings=settings, device_model=dm, peak_bytes=tracker.peak,
                    baseline_bytes=baseline, phases=phases, phase_steps=phase_steps, nodes=nodes,
-                   timeline=tracker.timeline, modelled_effects=_modelled_effects(device),
+                   timeline=tracker.timeline, modelled_effects=_modelled_effects(device, tracker.unasked),
                    peak_event=tracker.peak_event)
 
 
