@@ -104,8 +104,9 @@ def allocation_peak(prof, steady_state: bool = False) -> int:
     A free that happened on a gloo worker thread is not reported. A block without a free event was
     freed on another thread: when its address is handed out again (the allocator cannot hand out a
     live address), or, with ``steady_state`` (a training step: nothing allocated in it outlives it),
-    still live when the region ends. Such a block counts as freed when the outermost op that allocated it returned
-    (the collective's work, which holds it, is done by then), or at the reuse if that came first. Uses the
+    still live when the region ends. Such a block counts as freed when the innermost collective op
+    around its allocation returned (c10d, gloo or a DTensor redistribution: the collective's work,
+    which holds it, is done by then; without one, the outermost op), or at the reuse if earlier. Uses the
     profiler's event tree (private in torch 2.13: ``experimental_event_tree``); falls back to summing
     the public ``[memory]`` events, which over-counts such blocks.
     """
@@ -116,7 +117,9 @@ def allocation_peak(prof, steady_state: bool = False) -> int:
         stack = [(root, root.end_time_ns) for root in prof.profiler.kineto_results.experimental_event_tree()]
         while stack:
             node, outer_end_ns = stack.pop()
-            stack.extend((child, outer_end_ns) for child in node.children)
+            for child in node.children:  # the end of the innermost collective op, else of the outermost op
+                collective = child.tag != _EventType.Allocation and _is_collective(child.name)
+                stack.append((child, child.end_time_ns if collective else outer_end_ns))
             if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
                 allocations.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size,
                                     outer_end_ns))
@@ -149,10 +152,15 @@ def allocation_peak(prof, steady_state: bool = False) -> int:
     return peak
 
 
+def _is_collective(name: str) -> bool:
+    """An op that launches and waits for a collective (its buffers belong to the collective's work)."""
+    return name.startswith(("c10d::", "_c10d_functional::", "gloo:")) or "Redistribute" in name
+
+
 def _implicit_free_ns(allocation: tuple[int, int, int, int], reused_ns: int | None) -> int:
-    """When a block freed on another thread (no free event) was freed: when the outermost op that
-    allocated it returned (a collective's work, which holds it, is done by then), or when its address
-    was handed out again, whichever came first."""
+    """When a block freed on another thread (no free event) was freed: when the innermost collective
+    op (else the outermost op) that allocated it returned (the collective's work, which holds it,
+    is done by then), or when its address was handed out again, whichever came first."""
     start_ns, _, _, outer_end_ns = allocation
     end = outer_end_ns if outer_end_ns > start_ns else start_ns
     return min(end, reused_ns) if reused_ns is not None else end

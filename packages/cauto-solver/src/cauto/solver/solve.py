@@ -235,6 +235,8 @@ def plan_document(g: GraphDocument, cluster: ClusterSpec, chosen: Mapping[str, S
 
     plan_nodes, params, edges = {}, {}, []
     fwd, bwd = [], []
+    #: (value ref, placement) already redistributed: later consumers reuse it (runtime execute.py)
+    redistributed: set[tuple[str, tuple]] = set()
     #: (producer ref) -> {grad placement: bytes} of gradients arriving without an edge
     arriving: dict[str, dict[tuple, int]] = {}
     compute = 0.0
@@ -257,9 +259,13 @@ def plan_document(g: GraphDocument, cluster: ClusterSpec, chosen: Mapping[str, S
             needs_grad = rg[src_id]
             if src_pl != dst_pl:
                 where = f"{src_id}->{n.id}:{k}"
-                f_c = reshard(src_pl, dst_pl, nbytes, mesh, links, cost.overhead_s, cost.all_to_all)
-                b_c = reshard(grad_pl, backward_target(grad_pl, src_pl), nbytes, mesh, links,
-                              cost.overhead_s, cost.all_to_all) if needs_grad else ()
+                if (ref, dst_pl) in redistributed:  # the runtime redistributes a value once per placement
+                    f_c = b_c = ()
+                else:
+                    redistributed.add((ref, dst_pl))
+                    f_c = reshard(src_pl, dst_pl, nbytes, mesh, links, cost.overhead_s, cost.all_to_all)
+                    b_c = reshard(grad_pl, backward_target(grad_pl, src_pl), nbytes, mesh, links,
+                                  cost.overhead_s, cost.all_to_all) if needs_grad else ()
                 fwd += _collective_dicts(f_c, "forward", where)
                 bwd += _collective_dicts(b_c, "backward", where)
                 edges.append({"src": src_id, "dst": n.id, "arg": k, "src_placements": list(src_pl),

@@ -16,7 +16,10 @@ follows the runtime's execution (non-reentrant ``torch.utils.checkpoint``, early
   parameters whose consumers' backward already ran (at the placement backward computes them) +
   what ``n``'s backward allocates: gradients of its outputs and of its activation inputs (twice
   for an input it took through a redistribution: the redistribution's backward copies the gradient
-  into the collective's buffer), and its transient bytes.
+  into the collective's buffer), and its transient bytes. (Measured on gloo, a reduce-scatter onto
+  an inner dimension stages two copies, a concatenation and the collective's clone; counting both
+  judges checkpointed plans harder than the calibrated model judges plain ones, so auto would
+  refuse budgets that fit: not counted until both use one model.)
 * Then the gradient synchronization and optimizer step, exactly as memory.py predicts them.
 
 The peak of this walk is the plan's ``predictions.peak_bytes`` for a checkpointed plan.
@@ -30,8 +33,9 @@ from cauto.solver.strategies import Strategy, shard_count
 
 
 def checkpointed_points(memory: MemoryModel, nodes: list, chosen: dict[str, Strategy],
-                        regions: list[dict]) -> list[tuple[str, str | None, int]]:
-    """(phase, node id or None, live bytes per device) of a training step with ``regions`` recomputed."""
+                        regions: list[dict], state: int | None = None) -> list[tuple[str, str | None, int]]:
+    """(phase, node id or None, live bytes per device) of a training step with ``regions`` recomputed
+    (none: the plain step). ``state``: the always-live bytes, when the caller has them."""
     by_id = {n.id: n for n in nodes}
     mesh = memory.mesh_shape
 
@@ -45,7 +49,8 @@ def checkpointed_points(memory: MemoryModel, nodes: list, chosen: dict[str, Stra
 
     ops = [n for n in nodes if n.kind == "op" and n.id in chosen]
     order = {n.id: i for i, n in enumerate(ops)}
-    state = memory.predict(nodes, chosen)[1]
+    if state is None:
+        state = memory.predict(nodes, chosen)[1]
     moved: dict[str, set] = {}
     direct: set[str] = set()
     for n in ops:
