@@ -25,6 +25,7 @@ from cauto.runtime import execute
 from cauto.runtime.chunked import ChunkedParallelModule, apply_chunked
 from cauto.runtime.dist_utils import local_slices, to_placements
 from cauto.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradSync
+from cauto.runtime.inputs import flat_inputs
 from cauto.runtime.materialize import build_skeleton, materialize
 from cauto.runtime.propagate import propagate
 
@@ -80,13 +81,7 @@ class ParallelModule(nn.Module):
         return render(self.executable, self.plan)
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
-        extra = set(kwargs) - set(self._kwarg_order)
-        if extra:
-            raise TypeError(f"unexpected inputs {sorted(extra)}; the model was captured with {self._kwarg_order}")
-        flat = list(args) + [kwargs[k] for k in self._kwarg_order if k in kwargs]
-        if len(flat) != len(self._input_names):
-            raise TypeError(f"the model was captured with {len(self._input_names)} inputs {self._input_names}, "
-                            f"got {len(flat)}")
+        flat = flat_inputs(args, kwargs, self._kwarg_order, self._input_names)
         (loss,) = self.executable.module(*self._state, *flat)
         return loss
 

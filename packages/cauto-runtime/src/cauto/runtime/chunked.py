@@ -58,6 +58,7 @@ from cauto.plan import PlanDocument
 from cauto.profiler.capture import Capture, loss_of
 from cauto.runtime.chunks import ChunkedAdam, ChunkedModel, chunk_module
 from cauto.runtime.dist_utils import local_slices, to_placements
+from cauto.runtime.inputs import flat_inputs
 
 
 def _mismatch(message: str) -> Exception:
@@ -199,13 +200,7 @@ class ChunkedParallelModule(nn.Module):
         return out
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
-        extra = set(kwargs) - set(self._kwarg_order)
-        if extra:
-            raise TypeError(f"unexpected inputs {sorted(extra)}; the model was captured with {self._kwarg_order}")
-        flat = list(args) + [kwargs[k] for k in self._kwarg_order if k in kwargs]
-        if len(flat) != len(self._input_names):
-            raise TypeError(f"the model was captured with {len(self._input_names)} inputs {self._input_names}, "
-                            f"got {len(flat)}")
+        flat = flat_inputs(args, kwargs, self._kwarg_order, self._input_names)
         flat = self._local(flat)
         n_args = len(args)
         local_kwargs = dict(zip([k for k in self._kwarg_order if k in kwargs], flat[n_args:]))

@@ -29,7 +29,7 @@ from cauto.plan import GraphDocument, check_document, check_plan_matches_graph, 
 from cauto.plan.errors import DocumentError
 from cauto.solver.errors import SolverError
 from cauto.solver.groups import enumerate_strategies
-from cauto.solver.memory import MemoryModel, _saves_inputs
+from cauto.solver.memory import MemoryModel, redistributed_saves
 from cauto.solver.strategies import Strategy
 
 PHASES = ("forward", "backward", "grad_sync", "optimizer")
@@ -123,21 +123,8 @@ def _walk(memory: MemoryModel, nodes: list, chosen: dict[str, Strategy], checkpo
         return chosen[src.id].outputs[o]
 
     state = memory.predict(nodes, chosen)[1]  # always-live bytes, as the model (or a subclass) counts them
-    moved: dict[str, set] = {}
-    direct: set[str] = set()
     ops = [n for n in nodes if n.kind == "op" and n.id in chosen]
-    for n in ops:
-        s = chosen[n.id]
-        for k, ref in enumerate(n.inputs):
-            src_id, o = split_ref(ref)
-            src = by_id.get(src_id)
-            if src is None or src.kind != "op" or src_id not in chosen or k >= len(s.inputs):
-                continue
-            key = f"{src_id}#{o}"
-            if owner_pl(src, o) == s.inputs[k]:
-                direct.add(key)
-            elif _saves_inputs(n):
-                moved.setdefault(key, set()).add(s.inputs[k])
+    moved, direct = redistributed_saves(nodes, chosen)
     points: list[tuple[str, str | None, int]] = []
     cum = 0
     for n in ops:

@@ -158,23 +158,7 @@ class MemoryModel:
             return chosen[src.id].outputs[o]
 
         state = sum(self.state_bytes(n, chosen[n.id]) for n in nodes if n.id in chosen)
-        # activations a matmul-like consumer saves after a redistribution: (producer ref) -> placements
-        moved: dict[str, set] = {}
-        direct: set[str] = set()
-        for n in nodes:
-            if not exact or n.kind != "op" or n.id not in chosen:
-                continue
-            s = chosen[n.id]
-            for k, ref in enumerate(n.inputs):
-                src_id, o = split_ref(ref)
-                src = by_id.get(src_id)
-                if src is None or src.kind != "op" or src_id not in chosen or k >= len(s.inputs):
-                    continue
-                key = f"{src_id}#{o}"
-                if owner_pl(src, o) == s.inputs[k]:
-                    direct.add(key)
-                elif _saves_inputs(n):
-                    moved.setdefault(key, set()).add(s.inputs[k])
+        moved, direct = redistributed_saves(nodes, chosen) if exact else ({}, set())
         cum, best, best_t = 0, 0, 0
         last_t = 0
         bwd_extra = 0
@@ -289,6 +273,29 @@ class MemoryModel:
         optimizer_peak = int(phases.get("optimizer") or 0)
         if optimizer_peak:
             self.optimizer_extra = max(0, optimizer_peak - state - grads)
+
+
+def redistributed_saves(nodes: list[GraphNode], chosen: Mapping[str, Strategy]) -> tuple[dict[str, set], set[str]]:
+    """Activations a matmul-like consumer saves after a redistribution: (producer ref "id#o" ->
+    the placements they are saved at, producer refs some consumer also takes directly)."""
+    by_id = {n.id: n for n in nodes}
+    moved: dict[str, set] = {}
+    direct: set[str] = set()
+    for n in nodes:
+        if n.kind != "op" or n.id not in chosen:
+            continue
+        s = chosen[n.id]
+        for k, ref in enumerate(n.inputs):
+            src_id, o = split_ref(ref)
+            src = by_id.get(src_id)
+            if src is None or src.kind != "op" or src_id not in chosen or k >= len(s.inputs):
+                continue
+            key = f"{src_id}#{o}"
+            if chosen[src_id].outputs[o] == s.inputs[k]:
+                direct.add(key)
+            elif _saves_inputs(n):
+                moved.setdefault(key, set()).add(s.inputs[k])
+    return moved, direct
 
 
 #: at most this many nodes keep a backward extra (each is one memory constraint of the ILP)

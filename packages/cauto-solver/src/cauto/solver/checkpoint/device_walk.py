@@ -28,7 +28,7 @@ The peak of this walk is the plan's ``predictions.peak_bytes`` for a checkpointe
 from __future__ import annotations
 
 from cauto.plan import split_ref
-from cauto.solver.memory import MemoryModel, _saves_inputs
+from cauto.solver.memory import MemoryModel, redistributed_saves
 from cauto.solver.strategies import Strategy, shard_count
 
 
@@ -51,20 +51,7 @@ def checkpointed_points(memory: MemoryModel, nodes: list, chosen: dict[str, Stra
     order = {n.id: i for i, n in enumerate(ops)}
     if state is None:
         state = memory.predict(nodes, chosen)[1]
-    moved: dict[str, set] = {}
-    direct: set[str] = set()
-    for n in ops:
-        s = chosen[n.id]
-        for k, ref in enumerate(n.inputs):
-            src_id, o = split_ref(ref)
-            src = by_id.get(src_id)
-            if src is None or src.kind != "op" or src_id not in chosen or k >= len(s.inputs):
-                continue
-            key = f"{src_id}#{o}"
-            if owner_pl(src, o) == s.inputs[k]:
-                direct.add(key)
-            elif _saves_inputs(n):
-                moved.setdefault(key, set()).add(s.inputs[k])
+    moved, direct = redistributed_saves(nodes, chosen)
     saved: dict[str, int] = {}
     for n in ops:
         s = chosen[n.id]
