@@ -33,9 +33,8 @@ from cauto.solver.strategies import Strategy, shard_count
 
 
 def checkpointed_points(memory: MemoryModel, nodes: list, chosen: dict[str, Strategy],
-                        regions: list[dict], state: int | None = None) -> list[tuple[str, str | None, int]]:
-    """(phase, node id or None, live bytes per device) of a training step with ``regions`` recomputed
-    (none: the plain step). ``state``: the always-live bytes, when the caller has them."""
+                        regions: list[dict]) -> list[tuple[str, str | None, int]]:
+    """(phase, node id or None, live bytes per device) of a training step with ``regions`` recomputed."""
     by_id = {n.id: n for n in nodes}
     mesh = memory.mesh_shape
 
@@ -49,8 +48,7 @@ def checkpointed_points(memory: MemoryModel, nodes: list, chosen: dict[str, Stra
 
     ops = [n for n in nodes if n.kind == "op" and n.id in chosen]
     order = {n.id: i for i, n in enumerate(ops)}
-    if state is None:
-        state = memory.predict(nodes, chosen)[1]
+    state = memory.predict(nodes, chosen)[1]
     moved, direct = redistributed_saves(nodes, chosen)
     saved: dict[str, int] = {}
     for n in ops:
@@ -118,15 +116,17 @@ def checkpointed_points(memory: MemoryModel, nodes: list, chosen: dict[str, Stra
         if memory.grad_bytes(param, chosen[owner]):
             grads_from[t] = grads_from.get(t, 0) + dev_bytes(param, 0, grad_pl[owner])
 
+    # saved bytes of nodes up to t, outside every region and per innermost region (prefix sums)
+    saved_upto: dict[int | None, list[int]] = {None: [0] * len(ops), **{i: [0] * len(ops) for i in range(len(members))}}
+    for t, n in enumerate(ops):
+        for key, sums in saved_upto.items():
+            sums[t] = (sums[t - 1] if t else 0) + (saved[n.id] if innermost.get(n.id) == key else 0)
     grads = 0
     for t in range(len(ops) - 1, -1, -1):
         n = ops[t]
         s = chosen[n.id]
-        live = 0
-        for r in ops[:t + 1]:
-            region = innermost.get(r.id)
-            if region is None or n.id in members[region]:
-                live += saved[r.id]
+        # live: earlier nodes outside regions, and those whose innermost region contains n (recomputed)
+        live = saved_upto[None][t] + sum(saved_upto[i][t] for i, m in enumerate(members) if n.id in m)
         live += sum(held[i] for i in top if span[i][0] <= t)
         grads += grads_from.get(t, 0)
         act_grads = sum(dev_bytes(n, o, s.outputs[o]) for o in range(min(len(n.outputs), len(s.outputs)))
@@ -158,6 +158,8 @@ def device_peak_judge(graph_doc: dict):
     models: dict[tuple, tuple] = {}
 
     def judge(plan_doc: dict, regions: list) -> int:
+        if not regions:  # nothing recomputed: the plan's own (calibrated) prediction
+            return int(plan_doc["predictions"]["peak_bytes"])
         key = (tuple(plan_doc["mesh"]["shape"]), tuple(plan_doc["mesh"]["axis_names"]))
         if key not in models:
             strategies = enumerate_strategies(g, key[0], key[1])
@@ -166,8 +168,6 @@ def device_peak_judge(graph_doc: dict):
                              g.memory)
             models[key] = (strategies, memory)
         strategies, memory = models[key]
-        if not regions:  # nothing recomputed: the plan's own (calibrated) prediction
-            return int(plan_doc["predictions"]["peak_bytes"])
         chosen = plan_strategies(plan_doc, g, strategies)
         return max(b for _, _, b in checkpointed_points(memory, nodes, chosen, regions))
 

@@ -35,6 +35,7 @@ split": what ``cauto-solve --checkpoint {auto,none,chen,rotor}`` does without th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -106,7 +107,7 @@ class JointPoint:
             return math.inf
         return self.sharding.step_time_s + max(self.checkpoint.recompute_s, 0.0) + self.recompute_communication_s
 
-    @property
+    @functools.cached_property
     def recompute_communication_s(self) -> float:
         """Seconds of the collectives recomputation runs again (recompute.py); 0 without a plan document."""
         if not self.feasible or not isinstance(self.sharding.plan, dict):
