@@ -1,23 +1,16 @@
 """A plan's memory per device, check point by check point: the timeline behind its predicted peak.
 
-``MemoryModel.predict`` (memory.py) returns only the maximum over a training step; the plan stores
-that maximum (``predictions.peak_bytes``) with its model state and activation parts. Given the
-graph the plan was solved for, ``device_timeline(plan, graph)`` rebuilds the same memory model (the
-strategies the plan names, calibrated on the graph's unsharded memory section exactly as ``solve``
-does) and keeps every check point of that walk, in step order:
+The plan stores the maximum over a training step (``predictions.peak_bytes``) with its model state
+and activation parts. Given the graph the plan was solved for, ``device_timeline(plan, graph)``
+rebuilds the same memory model (the strategies the plan names, calibrated on the graph's unsharded
+memory section exactly as ``solve`` does) and keeps every check point of the walk that gave that
+peak (device_walk.py ``predicted_points``, with the plan's checkpoint regions), in step order:
+``forward`` per op, ``backward`` per op in reverse (a second point for an op whose input came
+through a redistribution: that redistribution's backward), ``grad_sync``, ``optimizer``.
 
-* ``forward``, per op: state + bytes saved so far + the op's transient bytes;
-* ``backward``, per op in reverse: state + everything saved + what that op's backward adds
-  (``backward_extra_bytes``; the model keeps all saved bytes until the end of backward);
-* ``grad_sync``: state + gradients as autograd leaves them + synchronized copies;
-* ``optimizer``: state + stored gradients + the optimizer step's temporaries.
-
-Its maximum is ``predict``'s peak, so for a plan without checkpoint regions it equals
-``predictions.peak_bytes`` (a plan with regions predicts model state + the simulated activation
-peak of its schedule instead; the timeline then shows the step without recomputation). A plan
-with chunked state (an ``offload`` section) is walked with offload.py's memory model: chunked
-parameters hold nothing but the chunk working set, which is always live.
-The walk mirrors ``MemoryModel.breakdown``; the tests hold the two to the same peak.
+Its maximum equals ``predictions.peak_bytes``. A plan with chunked state (an ``offload`` section)
+is walked with offload.py's memory model: chunked parameters hold nothing but the chunk working
+set, which is always live.
 """
 
 from __future__ import annotations
@@ -25,11 +18,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from cauto.plan import GraphDocument, check_document, check_plan_matches_graph, split_ref
+from cauto.plan import GraphDocument, check_document, check_plan_matches_graph
 from cauto.plan.errors import DocumentError
+from cauto.solver.device_walk import predicted_points
 from cauto.solver.errors import SolverError
 from cauto.solver.groups import enumerate_strategies
-from cauto.solver.memory import MemoryModel, redistributed_saves
+from cauto.solver.memory import MemoryModel
 from cauto.solver.strategies import Strategy
 
 PHASES = ("forward", "backward", "grad_sync", "optimizer")
@@ -44,11 +38,11 @@ class DeviceTimeline:
     state_bytes: int
     """Always-live bytes per device: parameter shards, optimizer state, inputs, buffers."""
     checkpointed: bool = False
-    """The plan recomputes checkpoint regions, which this timeline does not model."""
+    """The plan recomputes checkpoint regions (the walk follows them)."""
 
     @property
     def peak_bytes(self) -> int:
-        """The highest check point (``MemoryModel.predict``'s peak)."""
+        """The highest check point (the plan's ``predictions.peak_bytes``)."""
         return max((b for _, _, b in self.points), default=self.state_bytes)
 
     def phase_peaks(self) -> dict[str, int]:
@@ -110,35 +104,9 @@ def device_timeline(plan: Mapping, graph: GraphDocument | Mapping) -> DeviceTime
         chunks = OffloadModel(None, int(offload["device_budget_bytes"]), int(offload["chunk_elems"]),
                               max(numels, default=0))  # the working set needs no cluster
         memory = chunks.memory_model(memory)
-    return _walk(memory, nodes, chosen, bool((plan.get("checkpoint") or {}).get("regions")))
+    return _walk(memory, nodes, chosen, list((plan.get("checkpoint") or {}).get("regions") or []))
 
 
-def _walk(memory: MemoryModel, nodes: list, chosen: dict[str, Strategy], checkpointed: bool) -> DeviceTimeline:
-    """MemoryModel.breakdown(exact=True), keeping every check point."""
-    by_id = {n.id: n for n in nodes}
-
-    def owner_pl(src, o: int = 0):
-        if src.kind == "param" and src.tied_to:
-            return chosen[src.tied_to].outputs[0]
-        return chosen[src.id].outputs[o]
-
-    state = memory.predict(nodes, chosen)[1]  # always-live bytes, as the model (or a subclass) counts them
-    ops = [n for n in nodes if n.kind == "op" and n.id in chosen]
-    moved, direct = redistributed_saves(nodes, chosen)
-    points: list[tuple[str, str | None, int]] = []
-    cum = 0
-    for n in ops:
-        s = chosen[n.id]
-        cum += memory._saved_moved(n, s, moved, direct)
-        for k, ref in enumerate(n.inputs):
-            src = by_id.get(split_ref(ref)[0])
-            if src is not None and src.kind == "param" and k < len(s.inputs):
-                cum += memory.gathered_bytes(n, src, owner_pl(src), s.inputs[k])
-        points.append(("forward", n.id, state + cum + memory.transient_bytes(n, s)))
-    if memory.train and ops:
-        points += [("backward", n.id, state + cum + memory.backward_extra_bytes(n, chosen[n.id]))
-                   for n in reversed(ops)]
-        computed, stored_all, synced = memory._gradients(nodes, chosen, by_id)
-        points.append(("grad_sync", None, state + computed + synced))
-        points.append(("optimizer", None, state + stored_all + memory._optimizer_extra(nodes, chosen)))
-    return DeviceTimeline(points, state, checkpointed)
+def _walk(memory: MemoryModel, nodes: list, chosen: dict[str, Strategy], regions: list) -> DeviceTimeline:
+    points = predicted_points(memory, nodes, chosen, regions)
+    return DeviceTimeline(points, memory.predict(nodes, chosen)[1], bool(regions))

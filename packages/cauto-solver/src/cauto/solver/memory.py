@@ -33,8 +33,10 @@ a training step after the optimizer state exists):
   the unsharded run's optimizer peak minus params, grads and state, scaled like the largest parameter).
 
 The peak is the maximum over all check points: ``peak`` is exactly the ILP's model (forward,
-backward start, gradient bound); ``predict``, written into the plan, refines it where only a full
-assignment tells (redistributed activations, gradients as computed, the optimizer step). Without a memory section in the graph
+backward start, gradient bound); ``predict`` refines it where only a full assignment tells
+(redistributed activations, gradients as computed, the optimizer step). The plan's prediction is
+the larger of ``predict`` and the node-level walk of device_walk.py (backward node by node,
+redistribution staging, checkpoint regions). Without a memory section in the graph
 (synthetic graphs) the backward and optimizer extras are 0.
 """
 
@@ -192,18 +194,53 @@ class MemoryModel:
                 best, best_t, phase = opt, last_t, "optimizer"
         return state + best, state, best, best_t, phase
 
+    def check_points(self, nodes: list[GraphNode], chosen: dict[str, Strategy]) -> list[tuple[str, str | None, int]]:
+        """``predict``'s walk, keeping every check point in step order: (phase, node id or None, live
+        bytes). Forward per op; backward per op in reverse (everything saved + what that op's backward
+        adds); gradient synchronization; optimizer step. Its maximum is ``predict``'s peak."""
+        by_id = {n.id: n for n in nodes}
+
+        def owner_pl(src: GraphNode, o: int = 0):
+            if src.kind == "param" and src.tied_to:
+                return chosen[src.tied_to].outputs[0]
+            return chosen[src.id].outputs[o]
+
+        state = self.predict(nodes, chosen)[1]  # always-live bytes, as the model (or a subclass) counts them
+        ops = [n for n in nodes if n.kind == "op" and n.id in chosen]
+        moved, direct = redistributed_saves(nodes, chosen)
+        points: list[tuple[str, str | None, int]] = []
+        cum = 0
+        for n in ops:
+            s = chosen[n.id]
+            cum += self._saved_moved(n, s, moved, direct)
+            for k, ref in enumerate(n.inputs):
+                src = by_id.get(split_ref(ref)[0])
+                if src is not None and src.kind == "param" and k < len(s.inputs):
+                    cum += self.gathered_bytes(n, src, owner_pl(src), s.inputs[k])
+            points.append(("forward", n.id, state + cum + self.transient_bytes(n, s)))
+        if self.train and ops:
+            points += [("backward", n.id, state + cum + self.backward_extra_bytes(n, chosen[n.id]))
+                       for n in reversed(ops)]
+            computed, stored_all, synced = self._gradients(nodes, chosen, by_id)
+            points.append(("grad_sync", None, state + computed + synced))
+            points.append(("optimizer", None, state + stored_all + self._optimizer_extra(nodes, chosen)))
+        return points
+
     def _saved_moved(self, n: GraphNode, s: Strategy, moved: dict, direct: set) -> int:
         """saved_bytes, with outputs that only reach matmul-like consumers by redistribution saved at their placement."""
         base = self.saved_bytes(n, s)
-        if not base:
-            return 0
+        if n.kind != "op" or not self.train:
+            return base
         for o, meta in enumerate(n.outputs):
             key = f"{n.id}#{o}"
             if key not in moved or o >= len(s.outputs):
                 continue
-            b = min(int(n.saved_bytes * self.activation_scale), meta.bytes)
-            at_src = b // shard_count(s.outputs[o], self.mesh_shape)
-            copies = sum(b // shard_count(pl, self.mesh_shape) for pl in moved[key])
+            # the consumer saves the whole value at its placement, even when the producer saves none of
+            # it (a view: the storage's producer saves it, at its own placement, for its own backward)
+            at_src = min(int((n.saved_bytes or 0) * self.activation_scale), meta.bytes) \
+                // shard_count(s.outputs[o], self.mesh_shape)
+            copies = sum(int(meta.bytes * self.activation_scale) // shard_count(pl, self.mesh_shape)
+                         for pl in moved[key])
             base += copies - (0 if key in direct else at_src)
         return base
 

@@ -67,6 +67,7 @@ from dataclasses import dataclass
 from cauto.plan import GraphDocument, GraphNode, split_ref
 from cauto.solver.cluster import ClusterSpec
 from cauto.solver.cost import CostModel
+from cauto.solver.device_walk import predicted_peak_bytes
 from cauto.solver.memory import MemoryModel, numel
 from cauto.solver.reshard import reshard
 from cauto.solver.strategies import Strategy
@@ -200,7 +201,7 @@ class OffloadModel:
                 have = chosen[src.tied_to].outputs[0] if src.kind == "param" and src.tied_to else chosen[src_id].outputs[o]
                 if have != chosen[n.id].inputs[k]:
                     return False
-        return memory.predict(nodes, chosen)[0] <= budget
+        return predicted_peak_bytes(memory, nodes, chosen) <= budget
 
     def memory_model(self, base: MemoryModel) -> ChunkedMemoryModel:
         """A copy of the calibrated ``base`` that counts chunked parameters as the module docstring says."""

@@ -28,9 +28,9 @@ from collections.abc import Mapping
 
 from cauto.plan import GraphDocument
 from cauto.solver.checkpoint import attach_checkpoint, ilp_sharding, joint_plan
-from cauto.solver.checkpoint.device_walk import device_peak_judge
 from cauto.solver.checkpoint.joint import device_dict
 from cauto.solver.cluster import ClusterSpec
+from cauto.solver.device_walk import device_peak_judge
 from cauto.solver.errors import InfeasibleBudgetError, SolverError
 from cauto.solver.offload import OFFLOAD_MODES
 from cauto.solver.progress import CHECKPOINT_PHASE, ProgressFn, counted, joint_solves_at_most

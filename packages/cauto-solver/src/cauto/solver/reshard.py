@@ -147,3 +147,20 @@ def reshard_cost_s(src: Placements, dst: Placements, nbytes: int, mesh_shape: tu
     if src == dst:
         return 0.0
     return sum(c.cost_s for c in reshard(src, dst, nbytes, mesh_shape, links, overhead_s, all_to_all))
+
+
+def staging_copies(src: Placements, dst: Placements, mesh_shape: tuple[int, ...]) -> int:
+    """Full-size copies (of the tensor as it is at ``src``) that redistributing ``src`` -> ``dst``
+    holds next to its input at once, measured on gloo: a reduce-scatter onto an inner dimension
+    stacks the chunks into one contiguous tensor and the collective clones it (2); any other
+    collective one buffer (1); a local slice none (0)."""
+    copies = 0
+    for axis, c, t in transform_steps(src, dst, mesh_shape):
+        if mesh_shape[axis] <= 1:
+            continue
+        op = _step_op(c, t, all_to_all=False)
+        if op == "reduce_scatter" and t != "S(0)":
+            return 2
+        if op is not None:
+            copies = 1
+    return copies

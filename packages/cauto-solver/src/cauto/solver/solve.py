@@ -30,6 +30,7 @@ from cauto.plan.errors import DocumentError
 from cauto.plan.versioning import format_version
 from cauto.solver.cluster import ClusterSpec
 from cauto.solver.cost import CostModel
+from cauto.solver.device_walk import predicted_peak_bytes
 from cauto.solver.errors import InfeasibleBudgetError, SolverError
 from cauto.solver.groups import Problem, build_problem, enumerate_strategies, fanouts, tensor_requires_grad
 from cauto.solver.ilp import solve_ilp
@@ -145,7 +146,7 @@ def _fit_prediction(g: GraphDocument, problem: Problem, memory: MemoryModel, res
     for attempt in range(tries + 1):
         if not result.feasible:
             return result
-        over = memory.predict(nodes, chosen_strategies(problem, result.choice))[0] - budget
+        over = predicted_peak_bytes(memory, nodes, chosen_strategies(problem, result.choice)) - budget
         if over <= 0:
             return result
         tighter = solve_ilp(problem, limit - over, solver=solver, time_limit_s=time_limit_s) if attempt < tries \
@@ -196,7 +197,7 @@ def solve(graph: GraphDocument | Mapping, cluster: ClusterSpec, *, memory_budget
             progress("ilp", 1, 1)
         chosen = chosen_strategies(problem, least.choice)
         nodes = [n for n in g.nodes if n.kind != "output"]
-        needed = memory.predict(nodes, chosen)[0]
+        needed = predicted_peak_bytes(memory, nodes, chosen)
         if chunks is None and least.feasible and needed <= budget:
             result = least  # the least-memory plan fits where the fastest-first search overshot
         else:
@@ -310,7 +311,9 @@ def plan_document(g: GraphDocument, cluster: ClusterSpec, chosen: Mapping[str, S
                                              links, cost.overhead_s, cost.all_to_all), "forward", "loss")
     collectives = fwd + bwd + grad_sync
     communication = sum(c["cost_s"] for c in collectives)
-    peak, state, act, _ = memory.predict(nodes, dict(chosen))
+    state = memory.predict(nodes, dict(chosen))[1]
+    peak = predicted_peak_bytes(memory, nodes, dict(chosen))
+    act = peak - state
     return {
         "schema_version": format_version(CURRENT_VERSION["plan"]), "kind": "plan",
         "graph_fingerprint": g.fingerprint,

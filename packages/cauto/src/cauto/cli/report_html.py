@@ -87,8 +87,8 @@ def render_report(plan: dict, graph: dict | None = None, measured: dict | None =
     out.append("</figure></div>")
     notes = []
     if device is not None and device.checkpointed:
-        notes.append("The plan recomputes checkpoint regions; the per-device timeline shows the step without "
-                     "recomputation, the red line the plan's peak with it (model state + simulated activations).")
+        notes.append("The plan recomputes checkpoint regions; the per-device timeline follows the recomputation "
+                     "(a region keeps only its inputs in forward and is recomputed when backward reaches it).")
     if device_note:
         notes.append(device_note)
     out += [f"<p class='note'>{html.escape(n)}</p>" for n in notes]
