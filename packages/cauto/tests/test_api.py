@@ -85,3 +85,46 @@ def test_two_ranks_train_like_one_process_under_a_tight_budget(tmp_path):
                          capture_output=True, text=True, timeout=240, env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "OK" in res.stdout
+
+
+OFFLOAD_WORKER = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist
+    from datetime import timedelta
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    from cauto.api import autoparallelize
+    from cauto.profiler import zoo
+    torch.manual_seed(0)
+    ref, (x, y) = zoo.mlp(batch=32, dim=64, hidden=256, layers=6)
+    x, y = torch.randn_like(x), torch.randn_like(y)
+    state = {k: v.clone() for k, v in ref.state_dict().items()}
+    adamw = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2)
+    model = autoparallelize(lambda: zoo.mlp(batch=32, dim=64, hidden=256, layers=6)[0], (x, y),
+                            (dist.get_world_size(),), memory_budget="2MiB", offload="auto", state_dict=state,
+                            cache_dir=sys.argv[1], make_optimizer=adamw)
+    assert {p["state"] for p in model.plan.params.values()} == {"chunked"}, model.plan.params
+    opt, ref_opt = model.optimizer, adamw(ref)
+    for step in range(3):
+        loss, ref_loss = model(x, y), ref(x, y)
+        for l, o in ((loss, opt), (ref_loss, ref_opt)):
+            l.backward(); o.step(); o.zero_grad()
+        assert abs(float(loss) - float(ref_loss)) <= 2e-5 * max(1.0, abs(float(ref_loss))), \\
+            (step, float(loss), float(ref_loss))
+    if dist.get_rank() == 0:
+        print("OK", model.plan.offload["device_budget_bytes"], model.predictions["peak_bytes"])
+    dist.destroy_process_group()
+""")
+
+
+def test_offload_auto_chunks_model_state_where_no_device_only_plan_fits(tmp_path):
+    """The zoo MLP (6 layers) needs more than 2 MiB per device on 2 ranks without offload
+    (integration_tests/test_offload_end_to_end.py asserts that); offload="auto" plans chunked state
+    and the model trains through ``model.optimizer`` like one process."""
+    script = tmp_path / "worker.py"
+    script.write_text(OFFLOAD_WORKER)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          f"--master-port={_free_port()}", str(script), str(tmp_path / "cache")],
+                         capture_output=True, text=True, timeout=240, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"OK {2 << 20}" in res.stdout
