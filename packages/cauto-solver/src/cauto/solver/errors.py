@@ -18,13 +18,23 @@ class InfeasibleBudgetError(SolverError):
         self.budget_bytes = budget_bytes
         self.needed_bytes = needed_bytes
         self.top_tensors = top_tensors
-        tops = ", ".join(f"{name} {_mib(b)}" for name, b in top_tensors[:5])
+        digits = _digits(budget_bytes, needed_bytes)
+        tops = ", ".join(f"{name} {_mib(b, digits)}" for name, b in top_tensors[:5])
+        dominated = f"; the peak is dominated by {tops}" if tops else ""
         super().__init__(
-            f"no plan fits {_mib(budget_bytes)} per device: the plan with the least memory needs "
-            f"{_mib(needed_bytes)}; the peak is dominated by {tops}. Give more memory, a larger mesh, "
+            f"no plan fits {_mib(budget_bytes, digits)} per device: the plan with the least memory needs "
+            f"{_mib(needed_bytes, digits)} ({needed_bytes} bytes){dominated}. Give more memory, a larger mesh, "
             "or a smaller batch"
         )
 
 
-def _mib(n: int) -> str:
-    return f"{n / (1 << 20):.1f} MiB"
+def _digits(budget_bytes: int, needed_bytes: int) -> int:
+    """Decimals of MiB that tell the budget and the need apart (1 to 4)."""
+    for digits in range(1, 5):
+        if _mib(budget_bytes, digits) != _mib(needed_bytes, digits):
+            return digits
+    return 4
+
+
+def _mib(n: int, digits: int = 1) -> str:
+    return f"{n / (1 << 20):.{digits}f} MiB"
