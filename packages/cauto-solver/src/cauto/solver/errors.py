@@ -29,8 +29,8 @@ class InfeasibleBudgetError(SolverError):
 
 
 def _digits(budget_bytes: int, needed_bytes: int) -> int:
-    """Decimals of MiB that tell the budget and the need apart (1 to 4)."""
-    for digits in range(1, 5):
+    """Decimals of MiB that tell the budget and the need apart (2 to 4)."""
+    for digits in range(2, 5):
         if _mib(budget_bytes, digits) != _mib(needed_bytes, digits):
             return digits
     return 4
