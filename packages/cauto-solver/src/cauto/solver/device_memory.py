@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from cauto.plan import GraphDocument, check_document, check_plan_matches_graph
 from cauto.plan.errors import DocumentError
-from cauto.solver.device_walk import predicted_points
+from cauto.solver.device_walk import plan_all_to_all, predicted_points
 from cauto.solver.errors import SolverError
 from cauto.solver.groups import enumerate_strategies
 from cauto.solver.memory import MemoryModel
@@ -91,7 +91,7 @@ def device_timeline(plan: Mapping, graph: GraphDocument | Mapping) -> DeviceTime
     mesh = tuple(plan["mesh"]["shape"])
     train = bool(g.settings.get("train", True))
     strategies = enumerate_strategies(g, mesh, tuple(plan["mesh"]["axis_names"]))
-    memory = MemoryModel(mesh, g.settings.get("optimizer", "adamw"), train)
+    memory = MemoryModel(mesh, g.settings.get("optimizer", "adamw"), train, plan_all_to_all(plan))
     nodes = [n for n in g.nodes if n.kind != "output"]
     memory.calibrate(nodes, {n.id: strategies[n.id][0] for n in nodes}, int(g.memory.get("peak_bytes", 0)), g.memory)
     chosen = plan_strategies(plan, g, strategies)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from cauto.plan import split_ref
 from cauto.solver.memory import MemoryModel, _saves_inputs, redistributed_saves
-from cauto.solver.reshard import backward_target, staging_copies
+from cauto.solver.reshard import backward_target, retained_bytes, staging_copies
 from cauto.solver.strategies import Strategy, shard_count
 
 
@@ -82,7 +82,8 @@ def checkpointed_points(memory: MemoryModel, nodes: list, chosen: dict[str, Stra
             first_user.add((ref, s.inputs[k]))
             if memory.train:
                 b = int(src.outputs[o].bytes * memory.activation_scale)
-                copy_freed_by[n.id] = copy_freed_by.get(n.id, 0) + b // shard_count(s.inputs[k], mesh)
+                copy_freed_by[n.id] = copy_freed_by.get(n.id, 0) + retained_bytes(owner_pl(src, o), s.inputs[k], b,
+                                                                                  mesh, memory.all_to_all)
 
     members = [set(r["nodes"]) & set(order) for r in regions]
     innermost: dict[str, int] = {}
@@ -207,6 +208,15 @@ def checkpointed_points(memory: MemoryModel, nodes: list, chosen: dict[str, Stra
     return points
 
 
+def plan_all_to_all(plan_doc) -> bool:
+    """Whether the plan's redistributions use all-to-all, as its edges' collectives say (a
+    Shard -> Shard edge planned as an all-gather: no; the plan's cluster does not record it)."""
+    ops = {c["op"] for e in plan_doc.get("edges", []) for c in e.get("collectives", [])
+           if any(str(p).startswith("S(") for p in e["src_placements"])
+           and any(str(p).startswith("S(") for p in e["dst_placements"])}
+    return "all_to_all" in ops or "all_gather" not in ops
+
+
 def predicted_points(memory: MemoryModel, nodes: list, chosen: dict[str, Strategy],
                      regions: list[dict] | tuple = ()) -> list[tuple[str, str | None, int]]:
     """The plan's memory per device over a training step, check point by check point (module doc):
@@ -249,7 +259,7 @@ def device_peak_judge(graph_doc: dict):
         key = (tuple(plan_doc["mesh"]["shape"]), tuple(plan_doc["mesh"]["axis_names"]))
         if key not in models:
             strategies = enumerate_strategies(g, key[0], key[1])
-            memory = MemoryModel(key[0], g.settings.get("optimizer", "adamw"), train)
+            memory = MemoryModel(key[0], g.settings.get("optimizer", "adamw"), train, plan_all_to_all(plan_doc))
             memory.calibrate(nodes, {n.id: strategies[n.id][0] for n in nodes}, int(g.memory.get("peak_bytes", 0)),
                              g.memory)
             models[key] = (strategies, memory)

@@ -46,6 +46,7 @@ import math
 from collections.abc import Mapping
 
 from cauto.plan import GraphNode, split_ref
+from cauto.solver.reshard import retained_bytes
 from cauto.solver.strategies import Strategy, shard_count
 
 _ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
@@ -64,9 +65,11 @@ def numel(node: GraphNode) -> int:
 class MemoryModel:
     """Bytes per device of each node under each strategy (see module docstring)."""
 
-    def __init__(self, mesh_shape: tuple[int, ...], optimizer: str, train: bool):
+    def __init__(self, mesh_shape: tuple[int, ...], optimizer: str, train: bool, all_to_all: bool = True):
         self.mesh_shape = tuple(mesh_shape)
         self.train = train
+        #: whether redistributions use all-to-all (False on CPU meshes; reshard.retained_bytes)
+        self.all_to_all = all_to_all
         self.opt_bytes_per_elem = OPTIMIZER_BYTES_PER_ELEM.get(optimizer, 8) if train else 0
         #: kept for callers that scale activations (checkpoint planning); 1.0: the model is not fitted
         self.activation_scale = 1.0
@@ -239,8 +242,8 @@ class MemoryModel:
             # it (a view: the storage's producer saves it, at its own placement, for its own backward)
             at_src = min(int((n.saved_bytes or 0) * self.activation_scale), meta.bytes) \
                 // shard_count(s.outputs[o], self.mesh_shape)
-            copies = sum(int(meta.bytes * self.activation_scale) // shard_count(pl, self.mesh_shape)
-                         for pl in moved[key])
+            copies = sum(retained_bytes(s.outputs[o], pl, int(meta.bytes * self.activation_scale), self.mesh_shape,
+                                        self.all_to_all) for pl in moved[key])
             base += copies - (0 if key in direct else at_src)
         return base
 

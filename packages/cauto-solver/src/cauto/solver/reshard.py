@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 
+from cauto.solver.strategies import shard_count
+
 Placements = tuple[str, ...]
 
 
@@ -164,3 +166,20 @@ def staging_copies(src: Placements, dst: Placements, mesh_shape: tuple[int, ...]
         if op is not None:
             copies = 1
     return copies
+
+
+def retained_bytes(src: Placements, dst: Placements, nbytes: int, mesh_shape: tuple[int, ...],
+                   all_to_all: bool = True) -> int:
+    """Bytes per device that the result of redistributing a tensor of ``nbytes`` (global) from
+    ``src`` to ``dst`` keeps alive while it is held. Without all-to-all (CPU meshes) DTensor turns
+    Shard(d) into Shard(0) by an all-gather and a chunk along dimension 0, a view of the gathered
+    buffer: whoever holds the result holds the whole buffer (measured on gloo). Otherwise the result's own
+    bytes."""
+    result = nbytes // shard_count(dst, mesh_shape)
+    if all_to_all:
+        return result
+    for axis, c, t in transform_steps(src, dst, mesh_shape):
+        if mesh_shape[axis] > 1 and is_shard(c) and t == "S(0)" and c != "S(0)":
+            return result * mesh_shape[axis]
+    return result
+

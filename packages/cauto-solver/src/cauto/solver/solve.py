@@ -60,7 +60,7 @@ def build(graph: GraphDocument, cluster: ClusterSpec, *, follow: bool = True, sh
     train = bool(graph.settings.get("train", True))
     strategies = enumerate_strategies(graph, mesh, tuple(cluster.axis_names), progress)
     cost = CostModel(cluster, train)
-    memory = MemoryModel(mesh, graph.settings.get("optimizer", "adamw"), train)
+    memory = MemoryModel(mesh, graph.settings.get("optimizer", "adamw"), train, cluster.device.all_to_all)
     nodes = [n for n in graph.nodes if n.kind != "output"]
     replicated = {n.id: strategies[n.id][0] for n in nodes}
     memory.calibrate(nodes, replicated, int(graph.memory.get("peak_bytes", 0)), graph.memory)
