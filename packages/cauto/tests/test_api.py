@@ -49,6 +49,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _two_ranks(worker: str, tmp_path) -> str:
+    """Run ``worker`` (a script taking the plan cache directory) on 2 gloo ranks; its stdout."""
+    script = tmp_path / "worker.py"
+    script.write_text(worker)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          f"--master-port={_free_port()}", str(script), str(tmp_path / "cache")],
+                         capture_output=True, text=True, timeout=240, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res.stdout
+
+
 WORKER = textwrap.dedent("""
     import sys, torch, torch.distributed as dist
     from datetime import timedelta
@@ -77,14 +89,7 @@ WORKER = textwrap.dedent("""
 
 
 def test_two_ranks_train_like_one_process_under_a_tight_budget(tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          f"--master-port={_free_port()}", str(script), str(tmp_path / "cache")],
-                         capture_output=True, text=True, timeout=240, env=env)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "OK" in res.stdout
+    assert "OK" in _two_ranks(WORKER, tmp_path)
 
 
 OFFLOAD_WORKER = textwrap.dedent("""
@@ -120,11 +125,4 @@ def test_offload_auto_chunks_model_state_where_no_device_only_plan_fits(tmp_path
     """The zoo MLP (6 layers) needs more than 2 MiB per device on 2 ranks without offload
     (integration_tests/test_offload_end_to_end.py asserts that); offload="auto" plans chunked state
     and the model trains through ``model.optimizer`` like one process."""
-    script = tmp_path / "worker.py"
-    script.write_text(OFFLOAD_WORKER)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          f"--master-port={_free_port()}", str(script), str(tmp_path / "cache")],
-                         capture_output=True, text=True, timeout=240, env=env)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert f"OK {2 << 20}" in res.stdout
+    assert f"OK {2 << 20}" in _two_ranks(OFFLOAD_WORKER, tmp_path)
