@@ -106,7 +106,15 @@ def worker(args) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     mesh = make_mesh((WORLD,), ("dp",))
     models = build_all(args, mesh)
-    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, (m, _) in models.items()}
+    # foreach: one multi-tensor op per parameter group (torch's CPU default steps one parameter at a time,
+    # which on DTensor parameters pays the per-op dispatch once per parameter; bench_runtime_overhead.py).
+    # Not where plain tensors and DTensors mix (Megatron TP leaves the embeddings plain): foreach refuses.
+    from torch.distributed.tensor import DTensor
+
+    def uniform(m):
+        return len({isinstance(p, DTensor) for p in m.parameters()}) == 1
+
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=uniform(m) or None) for k, (m, _) in models.items()}
 
     def step(name):
         model, inputs = models[name]
@@ -177,7 +185,7 @@ def main() -> None:
         rows.append(f"| {name} | {t:.3f} | {t / base:.2f} | {res['peaks'][name] / 2**20:.1f} |")
     body = (f"Command: `python tools/bench/bench_runtime.py --write`\n\nZoo GPT dim {args.dim}, {args.layers} layers, "
             f"{args.heads} heads, vocab {args.vocab}, seq {args.seq}, global batch {args.batch}; 4 gloo ranks on this "
-            f"machine, AdamW, medians of {args.rounds} steps after a warm-up, each round runs one step of each setup "
+            f"machine, AdamW (foreach=True except Megatron TP, whose plain and DTensor parameters foreach refuses), medians of {args.rounds} steps after a warm-up, each round runs one step of each setup "
             f"in turn. cauto plan: {source}. DDP/FSDP2 ranks take a quarter of the batch; Megatron TP ranks "
             f"take all of it (4-way tensor parallel).\n\n" + "\n".join(rows))
     from cauto.runtime.verify import format_report
