@@ -25,7 +25,7 @@ saved once its backward ran):
 * Then the gradient synchronization and optimizer step, exactly as memory.py predicts them.
 
 For a plan without regions each op's backward point is also at least the calibrated model's for it
-(``predicted_points``), so the prediction is the larger of the two models; the ILP's own memory rows
+(everything saved + the op's calibrated backward extra), so the prediction is the larger of the two models; the ILP's own memory rows
 stay the linear model, and ``solve`` re-solves with a lowered limit where the prediction lands over
 the budget. One judge for every plan keeps ``checkpoint=auto`` honest: a plain and a checkpointed
 plan are measured by the same walk.
@@ -39,9 +39,10 @@ from cauto.solver.reshard import backward_target, retained_bytes, staging_copies
 from cauto.solver.strategies import Strategy, shard_count
 
 
-def checkpointed_points(memory: MemoryModel, nodes: list, chosen: dict[str, Strategy],
-                        regions: list[dict]) -> list[tuple[str, str | None, int]]:
-    """(phase, node id or None, live bytes per device) of a training step with ``regions`` recomputed."""
+def predicted_points(memory: MemoryModel, nodes: list, chosen: dict[str, Strategy],
+                     regions: list[dict] | tuple = ()) -> list[tuple[str, str | None, int]]:
+    """The plan's memory per device over a training step with ``regions`` recomputed, check point by
+    check point (module doc): (phase, node id or None, live bytes per device)."""
     by_id = {n.id: n for n in nodes}
     mesh = memory.mesh_shape
 
@@ -85,7 +86,7 @@ def checkpointed_points(memory: MemoryModel, nodes: list, chosen: dict[str, Stra
                 copy_freed_by[n.id] = copy_freed_by.get(n.id, 0) + retained_bytes(owner_pl(src, o), s.inputs[k], b,
                                                                                   mesh, memory.all_to_all)
 
-    members = [set(r["nodes"]) & set(order) for r in regions]
+    members = [m for m in (set(r["nodes"]) & set(order) for r in regions) if m]
     innermost: dict[str, int] = {}
     for i, m in enumerate(members):
         for node_id in m:
@@ -96,12 +97,11 @@ def checkpointed_points(memory: MemoryModel, nodes: list, chosen: dict[str, Stra
     for i, m in enumerate(members):
         outer = [j for j in range(len(members)) if j != i and m < members[j]]
         parent[i] = min(outer, key=lambda j: len(members[j])) if outer else None
-    live_regions = [i for i, m in enumerate(members) if m]
-    top = [i for i in live_regions if parent[i] is None]
-    span = {i: (min(order[x] for x in members[i]), max(order[x] for x in members[i])) for i in live_regions}
+    top = [i for i in range(len(members)) if parent[i] is None]
+    span = [(min(order[x] for x in m), max(order[x] for x in m)) for m in members]
     # a region's inputs: held by its checkpoint from the (re)computation of what encloses it until its backward
     held: dict[int, int] = {}
-    for i in live_regions:
+    for i in range(len(members)):
         seen: set[str] = set()
         total = 0
         for node_id in members[i]:
@@ -179,7 +179,7 @@ def checkpointed_points(memory: MemoryModel, nodes: list, chosen: dict[str, Stra
         s = chosen[n.id]
         # live: earlier nodes outside regions, and those whose innermost region contains n (recomputed)
         live = saved_upto[None][t] + sum(saved_upto[i][t] for i, m in enumerate(members) if n.id in m)
-        live += sum(held[i] for i in live_regions
+        live += sum(held[i] for i in range(len(members))
                     if span[i][0] <= t and (parent[i] is None or n.id in members[parent[i]]))
         grads += grads_from.get(t, 0)
         out_grads = sum(dev_bytes(n, o, s.outputs[o]) for o in range(min(len(n.outputs), len(s.outputs)))
@@ -197,7 +197,10 @@ def checkpointed_points(memory: MemoryModel, nodes: list, chosen: dict[str, Stra
                     staged = max(staged, grad * staging_copies(s.input_grads[k], target, mesh)
                                  + dev_bytes(src, o, target))
         grads += pending[t]
-        points.append(("backward", n.id, state + live + grads + out_grads + in_grads + memory.transient_bytes(n, s)))
+        here = state + live + grads + out_grads + in_grads + memory.transient_bytes(n, s)
+        if not members:  # at least what the calibrated model says (memory.py: all saved + n's backward extra)
+            here = max(here, state + saved_upto[None][-1] + memory.backward_extra_bytes(n, s))
+        points.append(("backward", n.id, here))
         if staged:  # after n's backward freed its saved tensors and its outputs' gradients
             points.append(("backward", n.id, state + live - saved[n.id] - copy_freed_by.get(n.id, 0) + grads + in_grads
                            + staged))
@@ -215,24 +218,6 @@ def plan_all_to_all(plan_doc) -> bool:
            if any(str(p).startswith("S(") for p in e["src_placements"])
            and any(str(p).startswith("S(") for p in e["dst_placements"])}
     return "all_to_all" in ops or "all_gather" not in ops
-
-
-def predicted_points(memory: MemoryModel, nodes: list, chosen: dict[str, Strategy],
-                     regions: list[dict] | tuple = ()) -> list[tuple[str, str | None, int]]:
-    """The plan's memory per device over a training step, check point by check point (module doc):
-    this walk; without regions, each op's backward point also at least what the calibrated model
-    (``MemoryModel.check_points``) says for it."""
-    walk = checkpointed_points(memory, nodes, chosen, list(regions))
-    if regions:
-        return walk
-    calibrated = {node_id: b for phase, node_id, b in memory.check_points(nodes, chosen) if phase == "backward"}
-    out, seen = [], set()
-    for phase, node_id, b in walk:
-        if phase == "backward" and node_id not in seen:
-            seen.add(node_id)
-            b = max(b, calibrated.get(node_id, 0))
-        out.append((phase, node_id, b))
-    return out
 
 
 def predicted_peak_bytes(memory: MemoryModel, nodes: list, chosen: dict[str, Strategy],

@@ -197,38 +197,6 @@ class MemoryModel:
                 best, best_t, phase = opt, last_t, "optimizer"
         return state + best, state, best, best_t, phase
 
-    def check_points(self, nodes: list[GraphNode], chosen: dict[str, Strategy]) -> list[tuple[str, str | None, int]]:
-        """``predict``'s walk, keeping every check point in step order: (phase, node id or None, live
-        bytes). Forward per op; backward per op in reverse (everything saved + what that op's backward
-        adds); gradient synchronization; optimizer step. Its maximum is ``predict``'s peak."""
-        by_id = {n.id: n for n in nodes}
-
-        def owner_pl(src: GraphNode, o: int = 0):
-            if src.kind == "param" and src.tied_to:
-                return chosen[src.tied_to].outputs[0]
-            return chosen[src.id].outputs[o]
-
-        state = self.predict(nodes, chosen)[1]  # always-live bytes, as the model (or a subclass) counts them
-        ops = [n for n in nodes if n.kind == "op" and n.id in chosen]
-        moved, direct = redistributed_saves(nodes, chosen)
-        points: list[tuple[str, str | None, int]] = []
-        cum = 0
-        for n in ops:
-            s = chosen[n.id]
-            cum += self._saved_moved(n, s, moved, direct)
-            for k, ref in enumerate(n.inputs):
-                src = by_id.get(split_ref(ref)[0])
-                if src is not None and src.kind == "param" and k < len(s.inputs):
-                    cum += self.gathered_bytes(n, src, owner_pl(src), s.inputs[k])
-            points.append(("forward", n.id, state + cum + self.transient_bytes(n, s)))
-        if self.train and ops:
-            points += [("backward", n.id, state + cum + self.backward_extra_bytes(n, chosen[n.id]))
-                       for n in reversed(ops)]
-            computed, stored_all, synced = self._gradients(nodes, chosen, by_id)
-            points.append(("grad_sync", None, state + computed + synced))
-            points.append(("optimizer", None, state + stored_all + self._optimizer_extra(nodes, chosen)))
-        return points
-
     def _saved_moved(self, n: GraphNode, s: Strategy, moved: dict, direct: set) -> int:
         """saved_bytes, with outputs that only reach matmul-like consumers by redistribution saved at their placement."""
         base = self.saved_bytes(n, s)

@@ -182,4 +182,3 @@ def retained_bytes(src: Placements, dst: Placements, nbytes: int, mesh_shape: tu
         if mesh_shape[axis] > 1 and is_shard(c) and t == "S(0)" and c != "S(0)":
             return result * mesh_shape[axis]
     return result
-
