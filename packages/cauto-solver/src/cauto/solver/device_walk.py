@@ -34,7 +34,7 @@ plan are measured by the same walk.
 from __future__ import annotations
 
 from cauto.plan import split_ref
-from cauto.solver.memory import MemoryModel, _saves_inputs, redistributed_saves
+from cauto.solver.memory import MemoryModel, redistributed_saves
 from cauto.solver.reshard import backward_target, retained_bytes, staging_copies
 from cauto.solver.strategies import Strategy, shard_count
 
@@ -71,20 +71,13 @@ def predicted_points(memory: MemoryModel, nodes: list, chosen: dict[str, Strateg
     # a redistributed copy that consumers save (memory.py counts it at its producer) is freed by the
     # backward of the first of them in forward order
     copy_freed_by: dict[str, int] = {}
-    first_user: set[tuple[str, tuple]] = set()
-    for n in ops:
-        s = chosen[n.id]
-        for k, ref in enumerate(n.inputs):
-            src_id, o = split_ref(ref)
-            src = by_id.get(src_id)
-            if src is None or src.kind != "op" or src_id not in chosen or k >= len(s.inputs) \
-                    or owner_pl(src, o) == s.inputs[k] or not _saves_inputs(n) or (ref, s.inputs[k]) in first_user:
-                continue
-            first_user.add((ref, s.inputs[k]))
-            if memory.train:
-                b = int(src.outputs[o].bytes * memory.activation_scale)
-                copy_freed_by[n.id] = copy_freed_by.get(n.id, 0) + retained_bytes(owner_pl(src, o), s.inputs[k], b,
-                                                                                  mesh, memory.all_to_all)
+    for key, firsts in moved.items():
+        src_id, o = split_ref(key)
+        src = by_id[src_id]
+        for pl, consumer in firsts.items():
+            b = retained_bytes(owner_pl(src, o), pl, int(src.outputs[o].bytes * memory.activation_scale), mesh,
+                               memory.all_to_all)
+            copy_freed_by[consumer] = copy_freed_by.get(consumer, 0) + b
 
     members = [m for m in (set(r["nodes"]) & set(order) for r in regions) if m]
     innermost: dict[str, int] = {}

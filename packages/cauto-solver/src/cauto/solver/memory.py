@@ -283,11 +283,13 @@ class MemoryModel:
             self.optimizer_extra = max(0, optimizer_peak - state - grads)
 
 
-def redistributed_saves(nodes: list[GraphNode], chosen: Mapping[str, Strategy]) -> tuple[dict[str, set], set[str]]:
+def redistributed_saves(nodes: list[GraphNode],
+                        chosen: Mapping[str, Strategy]) -> tuple[dict[str, dict[tuple, str]], set[str]]:
     """Activations a matmul-like consumer saves after a redistribution: (producer ref "id#o" ->
-    the placements they are saved at, producer refs some consumer also takes directly)."""
+    {placement it is saved at: the first consumer, in forward order, that saves it there}, producer
+    refs some consumer also takes directly)."""
     by_id = {n.id: n for n in nodes}
-    moved: dict[str, set] = {}
+    moved: dict[str, dict[tuple, str]] = {}
     direct: set[str] = set()
     for n in nodes:
         if n.kind != "op" or n.id not in chosen:
@@ -302,7 +304,7 @@ def redistributed_saves(nodes: list[GraphNode], chosen: Mapping[str, Strategy]) 
             if chosen[src_id].outputs[o] == s.inputs[k]:
                 direct.add(key)
             elif _saves_inputs(n):
-                moved.setdefault(key, set()).add(s.inputs[k])
+                moved.setdefault(key, {}).setdefault(s.inputs[k], n.id)
     return moved, direct
 
 
