@@ -1,15 +1,18 @@
 """plan(offload=...): chunked data-parallel state where no device-only plan fits (offload.py)."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 
-from cauto.plan import check_document, check_plan_matches_graph, load_plan
-from cauto.solver import InfeasibleBudgetError, SolverError, plan
+from cauto.plan import GraphDocument, check_document, check_plan_matches_graph, load_plan
+from cauto.solver import InfeasibleBudgetError, SolverError, plan, solve, synthetic
 from cauto.solver.cli import main
 from cauto.solver.cluster import PRESETS, DeviceSpec, cluster_for_mesh
-from cauto.solver.offload import OffloadModel, chunk_elems_for, count_chunks
+from cauto.solver.device_memory import device_timeline, plan_strategies
+from cauto.solver.groups import enumerate_strategies
+from cauto.solver.offload import OffloadModel, chunk_elems_for, count_chunks, local_numel
 
 GRAPH = json.loads((Path(__file__).parent / "data" / "profiled_gpt_graph.json").read_text())
 
@@ -47,6 +50,7 @@ def test_auto_turns_an_infeasible_budget_into_a_chunked_plan_that_fits(cluster, 
     pred, off = p["predictions"], p["offload"]
     assert pred["peak_bytes"] <= budget
     assert off["device_budget_bytes"] == budget
+    assert off["mesh_axes"] == [0]  # a 1-D mesh: the data-parallel axes are the whole mesh
     # pure data parallelism, which the runtime runs with chunks: every param chunked and replicated, no edges
     assert all(e["state"] == "chunked" and set(e["placements"]) == {"R"} for e in p["params"].values())
     assert p["edges"] == []
@@ -126,3 +130,147 @@ def test_cli_offload_flag(tmp_path, capsys, least_on_device):
     assert info.value.code == 2
     assert main([str(graph_path), "--mesh", "2", "--memory", "1MiB", "--offload", "auto", "-o", str(out)]) == 2
     assert "the plan with the least memory needs" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- chunks over some mesh axes (tensor parallelism)
+def _local_numel(shape: list[int], placements: list[str], mesh: list[int]) -> int:
+    dims = list(shape)
+    for axis, p in enumerate(placements):
+        if p.startswith("S("):
+            d = int(p[2:-1])
+            dims[d] = math.ceil(dims[d] / mesh[axis])
+    return math.prod(dims)
+
+
+@pytest.fixture(scope="module")
+def mesh22():
+    return cluster_for_mesh("cpu-gloo", (2, 2))
+
+
+@pytest.fixture(scope="module")
+def half_on_device(mesh22) -> int:
+    """Half the peak of the device-only plan on 2x2: tensor-parallel chunks fit, pure data parallelism does not."""
+    return solve(GRAPH, mesh22)["predictions"]["peak_bytes"] // 2
+
+
+@pytest.fixture(scope="module")
+def mixed(mesh22, half_on_device) -> dict:
+    return plan(GRAPH, mesh22, memory_budget=half_on_device, offload="chunked", offload_axes=(0,))
+
+
+def test_chunks_over_one_axis_leave_the_other_to_tensor_parallelism(mesh22, half_on_device, mixed):
+    p = mixed
+    check_document(p, "plan")
+    check_plan_matches_graph(p, GRAPH)
+    off, pred = p["offload"], p["predictions"]
+    assert off["mesh_axes"] == [0] and pred["peak_bytes"] <= half_on_device
+    params = [n for n in GRAPH["nodes"] if n["kind"] == "param"]
+    trainable = [n for n in params if not n.get("tied_to") and n.get("requires_grad") is not False]
+    # every trainable untied parameter is chunked, Replicate on the data-parallel axis; some are split on axis 1
+    assert all(p["params"][n["id"]]["state"] == "chunked" for n in trainable)
+    assert all(e["placements"][0] == "R" for e in p["params"].values() if e["state"] == "chunked")
+    assert any(e["placements"][1] != "R" for e in p["params"].values())
+    inputs = [n["id"] for n in GRAPH["nodes"] if n["kind"] == "input"]
+    assert all(p["nodes"][i]["outputs"][0][0] == "S(0)" for i in inputs)
+    # chunks of the local shards, padded to the group of 2 devices on axis 0
+    local = [_local_numel(n["outputs"][0]["shape"], p["params"][n["id"]]["placements"], [2, 2]) for n in trainable]
+    assert off["num_chunks"] == count_chunks(local, off["chunk_elems"], 2)
+    # the chunk manager's collectives run on axis 0 only; gradient synchronization on axis 0 is theirs
+    zero = [c for c in pred["collectives"] if c["where"].startswith("chunk")]
+    assert zero and {c["axis"] for c in zero} == {0}
+    assert sum(c["where"].startswith("chunk group") for c in zero) == 2 * off["num_chunks"] // 2
+    assert all(c["axis"] != 0 for c in p["grad_sync"])
+    # edges are allowed (the DTensor program runs them) and the step time adds up
+    st = pred["step_time_s"]
+    assert st["total"] == pytest.approx(st["compute"] + st["communication"] + st["offload"])
+    assert st["communication"] == pytest.approx(sum(c["cost_s"] for c in pred["collectives"]))
+
+
+def test_chunks_hold_local_shards(mesh22, mixed):
+    graph = GraphDocument.from_dict(GRAPH)
+    chosen = plan_strategies(mixed, graph, enumerate_strategies(graph, (2, 2), ("dp", "tp")))
+    trainable = [n for n in graph.nodes if n.kind == "param" and not n.tied_to and n.requires_grad is not False]
+    chunk_elems = 32768  # the largest parameter: small chunks, so that the shards' count differs from the whole's
+    model = OffloadModel(mesh22, 1 << 30, chunk_elems, chunk_elems, (0,))
+    local = [_local_numel(n.outputs[0].shape, mixed["params"][n.id]["placements"], [2, 2]) for n in trainable]
+    full = [math.prod(n.outputs[0].shape) for n in trainable]
+    assert model.num_chunks(trainable, chosen) == count_chunks(local, chunk_elems, 2) < count_chunks(full, chunk_elems, 2)
+    # a dim split on two axes is divided twice, rounding up
+    node = next(n for n in graph.nodes if n.id == "p_m_blocks_0_fc_bias")  # 512 elements
+    assert local_numel(node, ("S(0)", "S(0)"), (3, 2)) == math.ceil(math.ceil(512 / 3) / 2)
+    assert local_numel(node, ("R", "R"), (3, 2)) == 512
+
+
+def test_pure_data_parallelism_is_still_the_default_of_solve(mesh22, half_on_device):
+    with pytest.raises(InfeasibleBudgetError):  # attention cannot split the batch over both axes: no edge-free plan
+        solve(GRAPH, mesh22, memory_budget=half_on_device, offload=True)
+
+
+@pytest.mark.parametrize("graph", [GRAPH, synthetic.gpt(layers=2)], ids=["profiled", "synthetic"])
+def test_chunked_plan_picks_the_fastest_data_parallel_axes(graph, mesh22):
+    budget = solve(graph, mesh22)["predictions"]["peak_bytes"] // 2
+    candidates = {}
+    for axes in [(0, 1), (0,), (1,)]:
+        try:
+            candidates[axes] = solve(graph, mesh22, memory_budget=budget, offload=True, offload_axes=axes)
+        except InfeasibleBudgetError:
+            pass
+    assert len(candidates) >= 2
+    best = min(candidates.values(), key=lambda c: c["predictions"]["step_time_s"]["total"])
+    chosen = plan(graph, mesh22, memory_budget=budget, offload="chunked")
+    assert _without_time(chosen) == _without_time(best)
+    assert all(chosen["predictions"]["step_time_s"]["total"] <= c["predictions"]["step_time_s"]["total"]
+               for c in candidates.values())
+
+
+def test_no_feasible_data_parallel_axes_raises_the_least_need(mesh22):
+    budget = 1 << 20
+    needs = []
+    for axes in [(0, 1), (0,), (1,)]:
+        with pytest.raises(InfeasibleBudgetError) as info:
+            solve(GRAPH, mesh22, memory_budget=budget, offload=True, offload_axes=axes)
+        needs.append(info.value.needed_bytes)
+    with pytest.raises(InfeasibleBudgetError) as info:
+        plan(GRAPH, mesh22, memory_budget=budget, offload="chunked")
+    assert info.value.needed_bytes == min(needs)
+
+
+def test_bad_offload_axes(mesh22, tmp_path, capsys):
+    for axes, words in [((), "at least one"), ((2,), "not an axis"), ((0, 0), "twice"), ((-1,), "not an axis")]:
+        with pytest.raises(SolverError, match=words):
+            plan(GRAPH, mesh22, offload="chunked", offload_axes=axes)
+    with pytest.raises(SolverError, match="need offload"):
+        plan(GRAPH, mesh22, offload_axes=(0,))
+    with pytest.raises(SolverError, match="needs offload"):
+        solve(GRAPH, mesh22, offload_axes=(0,))
+    graph_path = tmp_path / "g.json"
+    graph_path.write_text(json.dumps(GRAPH))
+    out = tmp_path / "p.json"
+    for value in ("5", "model", "0,0", ""):
+        assert main([str(graph_path), "--mesh", "2x2", "--offload", "chunked", "--offload-axes", value,
+                     "-o", str(out)]) == 2
+        assert "offload ax" in capsys.readouterr().err and not out.exists()
+    assert main([str(graph_path), "--mesh", "2x2", "--offload-axes", "0", "-o", str(out)]) == 2
+    assert "offload" in capsys.readouterr().err and not out.exists()
+
+
+def test_cli_offload_axes_by_name(mesh22, half_on_device, mixed, tmp_path, capsys):
+    graph_path = tmp_path / "g.json"
+    graph_path.write_text(json.dumps(GRAPH))
+    out = tmp_path / "p.json"
+    assert main([str(graph_path), "--mesh", "2x2", "--memory", str(half_on_device), "--offload", "chunked",
+                 "--offload-axes", "dp", "-o", str(out)]) == 0
+    capsys.readouterr()
+    doc = json.loads(out.read_text())
+    assert doc["offload"]["mesh_axes"] == [0]
+    assert _without_time(doc)["nodes"] == mixed["nodes"]
+
+
+def test_timeline_of_a_mixed_plan_is_its_predicted_peak(mixed):
+    timeline = device_timeline(mixed, GRAPH)
+    pred = mixed["predictions"]
+    assert timeline.peak_bytes == pred["peak_bytes"]
+    assert timeline.state_bytes == pred["model_state_bytes"] >= mixed["offload"]["working_set_bytes"]
+    # the data-parallel axes matter: over the whole mesh the tensor-parallel parameters would not be chunked
+    whole = {**mixed, "offload": {k: v for k, v in mixed["offload"].items() if k != "mesh_axes"}}
+    assert device_timeline(whole, GRAPH).state_bytes > timeline.state_bytes

@@ -1,8 +1,8 @@
 """`cauto-solve`: plan a graph document on a mesh, or explain a plan.
 
     cauto-solve GRAPH --mesh 2x4 [--axis-names dp,tp] [--cluster FILE|PRESET] [--memory 70GiB]
-                [--checkpoint none|auto|rotor|chen] [--offload none|auto|chunked] [--solver cbc|highs]
-                [--time-limit S] -o plan.json
+                [--checkpoint none|auto|rotor|chen] [--offload none|auto|chunked] [--offload-axes dp|0,1]
+                [--solver cbc|highs] [--time-limit S] -o plan.json
     cauto-solve explain PLAN [--graph GRAPH]
 
 Bad input (invalid documents, a bad mesh, an unknown preset) exits with status 2 and one line on
@@ -25,6 +25,20 @@ from cauto.solver.summary import explain, summary
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_axes(text: str, axis_names: tuple[str, ...]) -> tuple[int, ...]:
+    """'dp' or '0,1' -> mesh axis indices (names as in ``axis_names``); the solver checks the rest."""
+    axes = []
+    for item in (s.strip() for s in (text or "").split(",")):
+        if item in axis_names:
+            axes.append(axis_names.index(item))
+        elif item.isdigit():
+            axes.append(int(item))
+        else:
+            raise SolverError(f"offload axis {item!r} is neither an axis index nor one of the axis names "
+                              f"{', '.join(axis_names)} (give e.g. --offload-axes 0 or --offload-axes {axis_names[0]})")
+    return tuple(axes)
 
 
 def parse_bytes(text: str) -> int:
@@ -53,6 +67,9 @@ def _solve_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload", default="none", choices=list(OFFLOAD_MODES),
                    help="hand data-parallel model state to the runtime's chunk manager (host offload, ZeRO): "
                         "auto only when no plan fits on the device, chunked always")
+    p.add_argument("--offload-axes",
+                   help="comma-separated mesh axes (indices or names) the chunks are ZeRO-sharded over, the "
+                        "others left to tensor parallelism (default: the fastest of every axis and each one alone)")
     p.add_argument("--solver", default="cbc", choices=["cbc", "highs"])
     p.add_argument("--time-limit", type=float, default=60.0, help="solver time limit in seconds")
     p.add_argument("-o", "--output", required=True, help="where to write the plan document")
@@ -85,10 +102,11 @@ def main(argv: list[str] | None = None, progress=None) -> int:
         names = tuple(s.strip() for s in args.axis_names.split(",")) if args.axis_names else None
         cluster = cluster_for_mesh(args.cluster, shape, names)
         budget = parse_bytes(args.memory) if args.memory else None
+        offload_axes = parse_axes(args.offload_axes, cluster.axis_names) if args.offload_axes is not None else None
         graph = load_graph(args.graph)
         plan = make_plan(graph, cluster, memory_budget=budget, checkpoint=args.checkpoint,
                          time_limit_s=args.time_limit, solver=args.solver, progress=progress,
-                         offload=args.offload)
+                         offload=args.offload, offload_axes=offload_axes)
         dump(plan, args.output)
         print(summary(plan))
         if "checkpoint" in plan:

@@ -9,8 +9,9 @@ peak (device_walk.py ``predicted_points``, with the plan's checkpoint regions), 
 through a redistribution: that redistribution's backward), ``grad_sync``, ``optimizer``.
 
 Its maximum equals ``predictions.peak_bytes``. A plan with chunked state (an ``offload`` section)
-is walked with offload.py's memory model: chunked parameters hold nothing but the chunk working
-set, which is always live.
+is walked with offload.py's memory model over the plan's data-parallel axes ``offload.mesh_axes``
+(every axis when absent): chunked parameters hold nothing but the chunk working set, which is
+always live.
 """
 
 from __future__ import annotations
@@ -101,8 +102,9 @@ def device_timeline(plan: Mapping, graph: GraphDocument | Mapping) -> DeviceTime
         from cauto.solver.offload import OffloadModel
 
         numels = [numel(n) for n in nodes if n.kind == "param" and not n.tied_to and n.requires_grad is not False]
+        axes = offload.get("mesh_axes")  # the data-parallel axes D the chunks are ZeRO-sharded over
         chunks = OffloadModel(None, int(offload["device_budget_bytes"]), int(offload["chunk_elems"]),
-                              max(numels, default=0))  # the working set needs no cluster
+                              max(numels, default=0), None if axes is None else tuple(axes))  # needs no cluster
         memory = chunks.memory_model(memory)
     return _walk(memory, nodes, chosen, list((plan.get("checkpoint") or {}).get("regions") or []))
 

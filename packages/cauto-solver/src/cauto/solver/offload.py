@@ -1,22 +1,36 @@
 """Chunked model state (ALGORITHMS.md §4, PatrickStar) as the solver plans it: which parameters the
 runtime's chunk manager (``cauto.runtime.chunks``) holds, what the device still needs, what moves.
 
-Which parameters. A trainable, untied parameter whose storage placement is Replicate on every mesh
-axis (pure data-parallel state) is *chunked*: its fp32 value, gradient and Adam moments live in
-chunks of ``chunk_elems`` elements, ZeRO-sharded over the data-parallel group of all W devices of
-the mesh and paged between host and device. Every other parameter keeps its device state.
+Data-parallel axes. A solve with chunked state names the mesh axes D its chunks are ZeRO-sharded
+over (``OffloadModel.mesh_axes``, the plan's ``offload.mesh_axes``; default: every axis). The
+group is the W = Π_{a∈D} mesh[a] devices that differ only in their D coordinates. *Pure* means D is
+every axis; *mixed* means the other axes are left to the ILP (tensor parallelism there).
 
-Which plans. The runtime runs chunked state for pure data parallelism (``cauto.runtime.apply``):
-the model as written on each rank, on its slice of the batch. So the solve with chunked state
-plans exactly that (``restrict``): every parameter and buffer Replicate, every user input Shard(0)
-on every mesh axis of size > 1 (Replicate where its batch does not divide), and no redistribution
-edge (each costs ``EDGE_PENALTY_S`` in the ILP; a solution that still needs one, or whose
-predicted peak is over the budget, counts as infeasible: ``runnable``). Mixing chunked data-parallel state with
-tensor-parallel parameters is left for later.
+Which parameters. A trainable, untied parameter whose storage placement is Replicate on every axis
+of D (any placement on the other axes) is *chunked*: its fp32 value, gradient and Adam moments,
+of its local shard on the other axes, live in chunks of ``chunk_elems`` elements, ZeRO-sharded
+over the group and paged between host and device. Every other parameter keeps its device state.
+
+Which plans (``restrict``): every parameter and buffer Replicate on every axis of D, every user
+input Shard(0) on every axis of D of size > 1 (left as enumerated where none is: its batch does
+not divide); the other axes are free. So every trainable untied parameter is chunked.
+
+* Pure: the runtime runs the model as written on each rank's slice of the batch
+  (``cauto.runtime.apply``), which has no redistribution edges: each costs ``EDGE_PENALTY_S`` in the
+  ILP, and a solution that still needs one, or whose predicted peak is over the budget, counts as
+  infeasible (``runnable``).
+* Mixed: the runtime runs the DTensor program with each parameter's local shard in the chunk
+  manager: edges are priced as usual and ``runnable`` only checks the predicted peak.
+
+``planning.plan`` picks D: given, or the fastest feasible of every axis and each single axis of
+size > 1 (on a mesh with more than one such axis).
 
 Chunk size: the runtime's own default rule (the least padding over sizes from the largest
-parameter up to budget/64 bytes, in steps of max(1024, that bound/2000) elements), over every
-trainable parameter; the plan records it (``offload.chunk_elems``) and the runtime uses it.
+parameter up to budget/64 bytes, in steps of max(1024, that bound/2000) elements), over the full
+size of every trainable parameter (at least any local shard, which the runtime needs) and groups of
+W; the plan records it (``offload.chunk_elems``) and the runtime uses it. ``offload.num_chunks``
+counts the chunks of the chunked parameters' local shards (``local_numel``: a dim split on an axis
+of size n becomes ceil(dim / n), once per such axis) in graph order, padded to a multiple of W.
 
 Device memory per device (the documented model; ``ChunkedMemoryModel``):
 
@@ -25,17 +39,18 @@ Device memory per device (the documented model; ``ChunkedMemoryModel``):
 * Instead the *working set*, the chunk bytes the device must hold at once, is always live:
   2 parameter chunks (the backward's pinned ring; in forward a module's own parameters) + 1 fp32
   gradient chunk (the one being accumulated) + the largest chunked gradient as autograd hands it
-  to the chunk: ``chunk_elems · (2·4 + 4) + 4 · largest numel``. The runtime's warm-up check
-  (chunks pinned at once) measured 2 parameter chunks on the MLP and GPT of the integration test.
+  to the chunk: ``chunk_elems · (2·4 + 4) + 4 · largest numel`` (the full numel: an upper bound of
+  any local shard). The runtime's warm-up check (chunks pinned at once) measured 2 parameter
+  chunks on the MLP and GPT of the integration test.
 
 So ``peak = non-model + working set ≤ budget``. The runtime gets the whole budget
 (``offload.device_budget_bytes``) and sizes its chunk arena as the budget minus the non-model peak
 it measures in a warm-up step: the predicted arena is ``budget − (peak − working set)``; what it has
 beyond the working set caches chunks.
 
-Host link traffic per step and device (``traffic_bytes``; P: bytes of every parameter chunk, which
-each rank uses after the all-gather; G: their fp32 gradient chunks; O: the Adam moments of the
-chunks this rank owns, 8 bytes · elements / W; A: the arena; S = A − working set):
+Host link traffic per step and device (``traffic_bytes``; W: the group size; P: bytes of every
+parameter chunk, which each rank uses after the all-gather; G: their fp32 gradient chunks; O: the
+Adam moments of the chunks this rank owns, 8 bytes · elements / W; A: the arena; S = A − working set):
 
 * A ≥ P + G + O: everything stays on the device; only the other ranks' chunks, which the all-gather
   brings through host memory, arrive: ``P · (W − 1) / W``.
@@ -49,28 +64,35 @@ of 6.1 MB predicted for a 6-layer MLP, 1.25 of 1.90 MB for a 4-layer GPT at a 2 
 integration_tests/test_offload_end_to_end.py). Seconds: bytes / the device's
 ``host_link_bandwidth_bytes_per_s`` (``step_time_s.offload``, part of the total). The ILP sees one
 parameter at a time and prices a chunked one at its traffic without any caching,
-``(2 · bytes + 4 · numel / W) / bandwidth`` (``ChunkedCostModel``): an upper bound too.
+``(2 · bytes + 4 · numel / W) / bandwidth`` of its local shard (``ChunkedCostModel``): an upper
+bound too. (Its gradient's reduction over D stays priced as the base model's all-reduce, which in
+the α-β model costs about what the ZeRO all-gather plus reduce-scatter of its bytes cost.)
 
-Collectives. The chunked parameters' gradient synchronization (``grad_sync``) is replaced by the
-chunk manager's: per group of W chunks an all-gather of W parameter chunks in forward and a
-reduce-scatter of W fp32 gradient chunks in backward (priced per mesh axis as DTensor's
-S(0)->R and P->S(0) would be), and one all-reduce of the per-parameter "has a gradient" flags in the
-optimizer step. When every trainable parameter is chunked and the plan has no redistribution
-edges, the runtime runs the model as written on each rank's slice of the batch: the collectives
-the DTensor program would run inside ops are dropped, the all-reduce of the loss stays.
+Collectives. The all-reduces over the axes of D of a chunked parameter's gradient, in its
+gradient synchronization (``grad_sync``) and in the backward of a redistribution edge that starts
+at it, are replaced by the chunk manager's (the runtime's ``chunk_fetch`` leaves the gradient
+Partial on D; other collectives, on other axes or gathering a Shard gradient on D, stay): per group of W chunks an all-gather
+of W parameter chunks in forward and a reduce-scatter of W fp32 gradient chunks in backward
+(priced per axis of D as DTensor's S(0)->R and P(sum)->S(0) on those axes would be, Replicate on the
+others), and one all-reduce of the per-parameter "has a gradient" flags over D in the optimizer
+step. When D is every axis, every trainable parameter is chunked and the plan has no
+redistribution edges, the runtime runs the model as written on each rank's slice of the batch: the
+collectives the DTensor program would run inside ops are dropped, the all-reduce of the loss stays.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from cauto.plan import GraphDocument, GraphNode, split_ref
 from cauto.solver.cluster import ClusterSpec
 from cauto.solver.cost import CostModel
 from cauto.solver.device_walk import predicted_peak_bytes
+from cauto.solver.errors import SolverError
 from cauto.solver.memory import MemoryModel, numel
 from cauto.solver.reshard import reshard
-from cauto.solver.strategies import Strategy
+from cauto.solver.strategies import Placements, Strategy
 
 OFFLOAD_MODES = ("none", "auto", "chunked")
 #: bytes per element of a chunked parameter, of its gradient chunk, of its Adam moments (fp32)
@@ -78,14 +100,48 @@ PARAM_ITEMSIZE, GRAD_ITEMSIZE, ADAM_BYTES_PER_ELEM = 4, 4, 8
 #: parameter chunks the runtime pins at once (cauto.runtime.chunks.model.BACKWARD_PINS) and gradient chunks
 WORKING_SET_PARAM_CHUNKS, WORKING_SET_GRAD_CHUNKS = 2, 1
 ALIGN_ELEMS = 16  # cauto.runtime.chunks.chunk.ALIGN_ELEMS: every parameter starts 64 bytes aligned
-#: ILP seconds charged per redistribution edge: plans with chunked state run without any
+#: ILP seconds charged per redistribution edge: pure data-parallel plans with chunked state run without any
 EDGE_PENALTY_S = 1e3
 
 
-def is_chunked(node: GraphNode, strategy: Strategy) -> bool:
-    """Whether a parameter stored with ``strategy`` is chunked (module docstring)."""
+def is_chunked(node: GraphNode, strategy: Strategy, mesh_axes: tuple[int, ...] | None = None) -> bool:
+    """Whether a parameter stored with ``strategy`` is chunked when the chunks are ZeRO-sharded over
+    ``mesh_axes`` (default: every axis; module docstring)."""
+    placements = strategy.outputs[0]
+    axes = range(len(placements)) if mesh_axes is None else mesh_axes
     return (node.kind == "param" and not node.tied_to and node.requires_grad is not False
-            and all(p == "R" for p in strategy.outputs[0]))
+            and all(placements[a] == "R" for a in axes))
+
+
+def data_parallel_axes(mesh_shape: tuple[int, ...], mesh_axes: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The axes D chunks are ZeRO-sharded over, in mesh order: ``mesh_axes``, or every axis when None.
+
+    Raises SolverError for an empty list, an axis outside the mesh, or an axis named twice."""
+    if mesh_axes is None:
+        return tuple(range(len(mesh_shape)))
+    axes = tuple(mesh_axes)
+    if not axes:
+        raise SolverError("offload axes must name at least one mesh axis")
+    bad = [a for a in axes if not isinstance(a, int) or isinstance(a, bool) or not 0 <= a < len(mesh_shape)]
+    if bad:
+        raise SolverError(f"offload axis {bad[0]!r} is not an axis of the {len(mesh_shape)}-D mesh "
+                          f"{tuple(mesh_shape)} (axes 0 to {len(mesh_shape) - 1})")
+    if len(set(axes)) != len(axes):
+        raise SolverError(f"offload axes {list(axes)} name an axis twice")
+    return tuple(sorted(axes))
+
+
+def local_numel(node: GraphNode, placements: Placements, mesh_shape: tuple[int, ...]) -> int:
+    """Elements of one device's shard of a placeholder placed ``placements`` (a dim split on an axis of
+    n devices becomes ceil(dim / n), once per such axis)."""
+    if not any(p.startswith("S(") for p in placements):
+        return numel(node)
+    dims = list(node.outputs[0].shape)
+    for axis, p in enumerate(placements):
+        if p.startswith("S("):
+            d = int(p[2:-1])
+            dims[d] = -(-dims[d] // mesh_shape[axis])
+    return math.prod(dims)
 
 
 def _aligned(n: int) -> int:
@@ -122,24 +178,45 @@ def chunk_elems_for(numels: list[int], group_size: int, budget_bytes: int) -> in
 
 @dataclass(frozen=True)
 class OffloadModel:
-    """Chunk size, group and link of one solve with chunked state (module docstring)."""
+    """Chunk size, data-parallel axes, group and link of one solve with chunked state (module docstring).
 
-    cluster: ClusterSpec
+    ``mesh_axes`` (D) defaults to every axis of ``cluster``'s mesh; ``cluster`` may be None where
+    only the memory model is needed (device_memory.py), and D then stays None: every axis."""
+
+    cluster: ClusterSpec | None
     budget_bytes: int
     chunk_elems: int
     largest_param_elems: int
+    mesh_axes: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if self.cluster is not None:
+            object.__setattr__(self, "mesh_axes", data_parallel_axes(tuple(self.cluster.mesh_shape), self.mesh_axes))
 
     @classmethod
-    def for_graph(cls, graph: GraphDocument, cluster: ClusterSpec, budget_bytes: int) -> OffloadModel:
-        """The model for ``graph`` on ``cluster`` under a per-device budget."""
+    def for_graph(cls, graph: GraphDocument, cluster: ClusterSpec, budget_bytes: int,
+                  mesh_axes: tuple[int, ...] | None = None) -> OffloadModel:
+        """The model for ``graph`` on ``cluster`` under a per-device budget, chunks ZeRO-sharded over
+        ``mesh_axes`` (default: every axis)."""
+        axes = data_parallel_axes(tuple(cluster.mesh_shape), mesh_axes)
         numels = [numel(n) for n in graph.nodes if n.kind == "param" and not n.tied_to and n.requires_grad is not False]
-        return cls(cluster, int(budget_bytes), chunk_elems_for(numels, cluster.world_size, budget_bytes),
-                   max(numels, default=0))
+        group_size = math.prod(cluster.mesh_shape[a] for a in axes)
+        return cls(cluster, int(budget_bytes), chunk_elems_for(numels, group_size, budget_bytes),
+                   max(numels, default=0), axes)
+
+    @property
+    def pure(self) -> bool:
+        """Whether D is every mesh axis (pure data parallelism: the runtime runs the model as written)."""
+        return len(self.mesh_axes) == len(self.cluster.mesh_shape)
 
     @property
     def group_size(self) -> int:
-        """Devices the chunks are ZeRO-sharded over: the whole mesh."""
-        return self.cluster.world_size
+        """Devices the chunks are ZeRO-sharded over: the product of the mesh sizes of D."""
+        return math.prod(self.cluster.mesh_shape[a] for a in self.mesh_axes)
+
+    def chunks(self, node: GraphNode, strategy: Strategy) -> bool:
+        """Whether ``node`` stored with ``strategy`` is chunked in this model (``is_chunked`` over D)."""
+        return is_chunked(node, strategy, self.mesh_axes)
 
     @property
     def host_link_bandwidth_bytes_per_s(self) -> float:
@@ -151,10 +228,18 @@ class OffloadModel:
         return (self.chunk_elems * (WORKING_SET_PARAM_CHUNKS * PARAM_ITEMSIZE + WORKING_SET_GRAD_CHUNKS * GRAD_ITEMSIZE)
                 + GRAD_ITEMSIZE * self.largest_param_elems)
 
-    def param_transfer_s(self, node: GraphNode) -> float:
-        """The ILP's price of chunking one parameter: its traffic per step without caching."""
-        elems = numel(node)
+    def param_transfer_s(self, node: GraphNode, strategy: Strategy) -> float:
+        """The ILP's price of chunking one parameter stored with ``strategy``: the traffic of its local
+        shard per step without caching."""
+        elems = local_numel(node, strategy.outputs[0], tuple(self.cluster.mesh_shape))
         return (2 * PARAM_ITEMSIZE * elems + GRAD_ITEMSIZE * elems / self.group_size) / self.host_link_bandwidth_bytes_per_s
+
+    def num_chunks(self, chunked: list[GraphNode], chosen: dict[str, Strategy]) -> int:
+        """Chunks of the local shards of the ``chunked`` parameters (in graph order) as ``chosen`` places
+        them, padded to a multiple of the group size (module docstring)."""
+        mesh = tuple(self.cluster.mesh_shape)
+        numels = [local_numel(n, chosen[n.id].outputs[0], mesh) for n in chunked]
+        return count_chunks(numels, self.chunk_elems, self.group_size)
 
     def traffic_bytes(self, num_chunks: int, arena_bytes: int) -> int:
         """Host link bytes per step of ``num_chunks`` chunks with an arena of ``arena_bytes`` (module docstring)."""
@@ -168,8 +253,8 @@ class OffloadModel:
         return p + g // w + max(0, p - spare)
 
     def cost_model(self, base: CostModel) -> ChunkedCostModel:
-        """``base`` with chunked parameters priced at their traffic and edges penalized (``base`` stays
-        as ``.base``, the plan's step time)."""
+        """``base`` with chunked parameters priced at their traffic and, when pure, edges penalized
+        (``base`` stays as ``.base``, the plan's step time)."""
         m = ChunkedCostModel.__new__(ChunkedCostModel)
         m.__dict__.update(base.__dict__)
         m._edge_cache, m._pair_cache = {}, {}
@@ -177,30 +262,26 @@ class OffloadModel:
         return m
 
     def restrict(self, graph: GraphDocument, strategies: dict[str, list[Strategy]]) -> dict[str, list[Strategy]]:
-        """Only the placeholder strategies of pure data parallelism (module docstring)."""
+        """Only the placeholder strategies data parallelism over D allows (module docstring): parameters
+        and buffers Replicate on every axis of D, inputs Shard(0) on every axis of D of size > 1."""
         mesh = tuple(self.cluster.mesh_shape)
-        split = tuple("S(0)" if n > 1 else "R" for n in mesh)
         out = dict(strategies)
         for n in graph.nodes:
             if n.id not in strategies or n.kind not in ("param", "buffer", "input"):
                 continue
-            want = split if n.kind == "input" else ("R",) * len(mesh)
-            kept = [s for s in strategies[n.id] if s.outputs[0] == want]
-            if kept:  # an input whose batch does not divide stays as enumerated (Replicate)
+            want = "S(0)" if n.kind == "input" else "R"
+            axes = [a for a in self.mesh_axes if n.kind != "input" or mesh[a] > 1]
+            kept = [s for s in strategies[n.id] if all(s.outputs[0][a] == want for a in axes)]
+            if kept:  # an input whose batch does not divide stays as enumerated
                 out[n.id] = kept
         return out
 
     def runnable(self, graph: GraphDocument, chosen: dict[str, Strategy], memory: MemoryModel, budget: int) -> bool:
-        """Whether a solution is a plan the runtime runs with chunks: no edge, predicted peak within budget."""
-        by_id = graph.node_map()
+        """Whether a solution is a plan the runtime runs with chunks: predicted peak within budget and,
+        when pure, no edge."""
         nodes = [n for n in graph.nodes if n.kind != "output"]
-        for n in nodes:
-            for k, ref in enumerate(n.inputs):
-                src_id, o = split_ref(ref)
-                src = by_id[src_id]
-                have = chosen[src.tied_to].outputs[0] if src.kind == "param" and src.tied_to else chosen[src_id].outputs[o]
-                if have != chosen[n.id].inputs[k]:
-                    return False
+        if self.pure and _has_edge(graph, nodes, chosen):
+            return False
         return predicted_peak_bytes(memory, nodes, chosen) <= budget
 
     def memory_model(self, base: MemoryModel) -> ChunkedMemoryModel:
@@ -215,7 +296,7 @@ class OffloadModel:
         """Mark chunked parameters in ``plan`` (written with ``ChunkedMemoryModel``'s predictions) and
         add their traffic, collectives and the ``offload`` section; return ``plan``."""
         params = [n for n in graph.nodes if n.kind == "param"]
-        chunked = [n for n in params if is_chunked(n, chosen[n.id])]
+        chunked = [n for n in params if self.chunks(n, chosen[n.id])]
         if not chunked:
             return plan
         ids = {n.id for n in chunked}
@@ -223,17 +304,19 @@ class OffloadModel:
             node = next(n for n in params if n.id == pid)
             if (node.tied_to or pid) in ids:
                 entry["state"] = "chunked"
-        num_chunks = count_chunks([numel(n) for n in chunked], self.chunk_elems, self.group_size)
+        num_chunks = self.num_chunks(chunked, chosen)
         pred = plan["predictions"]
         nonmodel = pred["peak_bytes"] - self.working_set_bytes
         arena = self.budget_bytes - nonmodel
         moved = self.traffic_bytes(num_chunks, arena)
         trainable = [n for n in params if not n.tied_to and n.requires_grad is not False]
-        plain = len(chunked) == len(trainable) and not plan["edges"]
+        plain = self.pure and len(chunked) == len(trainable) and not plan["edges"]
+        data_axes = set(self.mesh_axes)
 
         def kept(c: dict) -> bool:
-            if c.get("phase") == "grad_sync" and c.get("where") in ids:
-                return False
+            if c.get("phase") in ("grad_sync", "backward") and c.get("op") == "all_reduce" \
+                    and str(c.get("where", "")).split("->")[0] in ids and c.get("axis") in data_axes:
+                return False  # the chunk manager's reduce-scatter over D replaces the gradient's all-reduce
             return not plain or c.get("where") == "loss"
 
         plan["grad_sync"] = [c for c in plan.get("grad_sync", []) if kept(c)]
@@ -245,46 +328,56 @@ class OffloadModel:
         pred["collectives"] = collectives
         plan["offload"] = {
             "device_budget_bytes": self.budget_bytes, "chunk_elems": self.chunk_elems,
-            "mesh_axes": list(range(len(self.cluster.mesh_shape))), "num_chunks": num_chunks,
+            "mesh_axes": list(self.mesh_axes), "num_chunks": num_chunks,
             "working_set_bytes": self.working_set_bytes, "arena_bytes": int(arena), "moved_bytes": int(moved),
             "host_link_bandwidth_bytes_per_s": self.host_link_bandwidth_bytes_per_s,
         }
         return plan
 
     def _zero_collectives(self, num_chunks: int, num_params: int) -> list[dict]:
+        """The chunk manager's collectives over D (module docstring): per chunk group an all-gather of the
+        parameter chunks in forward and a reduce-scatter of the gradient chunks in backward, and the
+        all-reduce of the gradient flags in the optimizer step."""
         mesh = tuple(self.cluster.mesh_shape)
         if self.group_size <= 1:
             return []
         links = tuple((a.latency_s, a.bandwidth_bytes_per_s) for a in self.cluster.axes)
         dev = self.cluster.device
-        nd = len(mesh)
+
+        def on_data_axes(p: str) -> Placements:
+            return tuple(p if a in self.mesh_axes else "R" for a in range(len(mesh)))
+
+        def collectives(src: Placements, dst: Placements, nbytes: int, phase: str, where: str) -> list[dict]:
+            return [c.to_dict(phase, where)
+                    for c in reshard(src, dst, nbytes, mesh, links, dev.kernel_floor_s, dev.all_to_all)]
+
         group_param_bytes = self.group_size * self.chunk_elems * PARAM_ITEMSIZE
         group_grad_bytes = self.group_size * self.chunk_elems * GRAD_ITEMSIZE
+        replicated = ("R",) * len(mesh)
         out = []
         for g in range(num_chunks // self.group_size):
             where = f"chunk group {g}"
-            out += [c.to_dict("forward", where) for c in reshard(
-                ("S(0)",) * nd, ("R",) * nd, group_param_bytes, mesh, links, dev.kernel_floor_s, dev.all_to_all)]
-            out += [c.to_dict("backward", where) for c in reshard(
-                ("P(sum)",) * nd, ("S(0)",) * nd, group_grad_bytes, mesh, links, dev.kernel_floor_s, dev.all_to_all)]
-        out += [c.to_dict("optimizer", "chunked gradient flags") for c in reshard(
-            ("P(max)",) * nd, ("R",) * nd, 4 * num_params, mesh, links, dev.kernel_floor_s, dev.all_to_all)]
+            out += collectives(on_data_axes("S(0)"), replicated, group_param_bytes, "forward", where)
+            out += collectives(on_data_axes("P(sum)"), on_data_axes("S(0)"), group_grad_bytes, "backward", where)
+        out += collectives(on_data_axes("P(max)"), replicated, 4 * num_params, "optimizer", "chunked gradient flags")
         return out
 
 
 class ChunkedCostModel(CostModel):
-    """CostModel whose chunked parameters cost their host link traffic (``OffloadModel.param_transfer_s``)."""
+    """CostModel whose chunked parameters cost their host link traffic (``OffloadModel.param_transfer_s``)
+    and, when the model is pure, whose redistribution edges cost ``EDGE_PENALTY_S`` more."""
 
     offload: OffloadModel
     base: CostModel
 
     def compute_s(self, node: GraphNode, strategy: Strategy) -> float:
-        if is_chunked(node, strategy):
-            return self.offload.param_transfer_s(node)
+        if self.offload.chunks(node, strategy):
+            return self.offload.param_transfer_s(node, strategy)
         return super().compute_s(node, strategy)
 
     def edge_cost_s(self, src, dst, grad, nbytes: int, needs_grad: bool, fanout: int = 1) -> float:
-        return super().edge_cost_s(src, dst, grad, nbytes, needs_grad, fanout) + (EDGE_PENALTY_S if src != dst else 0.0)
+        penalty_s = EDGE_PENALTY_S if self.offload.pure and src != dst else 0.0
+        return super().edge_cost_s(src, dst, grad, nbytes, needs_grad, fanout) + penalty_s
 
 
 class ChunkedMemoryModel(MemoryModel):
@@ -293,23 +386,36 @@ class ChunkedMemoryModel(MemoryModel):
     offload: OffloadModel
 
     def state_bytes(self, node: GraphNode, strategy: Strategy) -> int:
-        return 0 if is_chunked(node, strategy) else super().state_bytes(node, strategy)
+        return 0 if self.offload.chunks(node, strategy) else super().state_bytes(node, strategy)
 
     def grad_bytes(self, node: GraphNode, strategy: Strategy) -> int:
-        return 0 if is_chunked(node, strategy) else super().grad_bytes(node, strategy)
+        return 0 if self.offload.chunks(node, strategy) else super().grad_bytes(node, strategy)
 
     def breakdown(self, nodes: list[GraphNode], chosen: dict[str, Strategy],
                   exact: bool = True) -> tuple[int, int, int, int, str]:
         peak, state, rest, t, phase = super().breakdown(nodes, chosen, exact)
-        if any(n.id in chosen and is_chunked(n, chosen[n.id]) for n in nodes):
+        if any(n.id in chosen and self.offload.chunks(n, chosen[n.id]) for n in nodes):
             ws = self.offload.working_set_bytes
             return peak + ws, state + ws, rest, t, phase
         return peak, state, rest, t, phase
 
     def _optimizer_extra(self, nodes, chosen) -> int:
         # the optimizer's temporaries scale with the largest parameter it updates on the device
-        return super()._optimizer_extra([n for n in nodes if not (n.id in chosen and is_chunked(n, chosen[n.id]))],
-                                        chosen)
+        on_device = [n for n in nodes if not (n.id in chosen and self.offload.chunks(n, chosen[n.id]))]
+        return super()._optimizer_extra(on_device, chosen)
+
+
+def _has_edge(graph: GraphDocument, nodes: list[GraphNode], chosen: dict[str, Strategy]) -> bool:
+    """Whether some op input needs a placement its producer does not give (a redistribution edge)."""
+    by_id = graph.node_map()
+    for n in nodes:
+        for k, ref in enumerate(n.inputs):
+            src_id, o = split_ref(ref)
+            src = by_id[src_id]
+            have = chosen[src.tied_to].outputs[0] if src.kind == "param" and src.tied_to else chosen[src_id].outputs[o]
+            if have != chosen[n.id].inputs[k]:
+                return True
+    return False
 
 
 def ilp_budget(budget_bytes: int, offload: OffloadModel | None) -> int:

@@ -17,8 +17,13 @@ Infeasible budgets raise InfeasibleBudgetError naming the least memory any split
   sharding ILP with chunked state, without checkpointing; still infeasible raises the error of
   whichever of the two needs less memory.
 * "chunked": always the ILP with chunked state (``checkpoint`` must be "none").
-With chunked state, every parameter replicated on all mesh axes gets ``state: "chunked"`` and the
-plan's ``offload`` section records the device budget the runtime hands the chunk manager.
+With chunked state the chunks are ZeRO-sharded over data-parallel mesh axes D (``offload_axes``):
+every trainable parameter replicated on every axis of D gets ``state: "chunked"`` (on the other
+axes the ILP may shard it: tensor parallelism) and the plan's ``offload`` section records D
+(``mesh_axes``) and the device budget the runtime hands the chunk manager. ``offload_axes`` given:
+exactly that D. None: every axis (pure data parallelism) and, on a mesh with more than one axis of
+size > 1, each such axis alone are solved, and the feasible plan with the least predicted step
+time wins (ties: every axis); none feasible raises the error with the least memory needed.
 ``progress(phase, done, total)``, when given, follows the work (phases in cauto/solver/progress.py).
 """
 
@@ -32,7 +37,7 @@ from cauto.solver.checkpoint.joint import device_dict
 from cauto.solver.cluster import ClusterSpec
 from cauto.solver.device_walk import device_peak_judge
 from cauto.solver.errors import InfeasibleBudgetError, SolverError
-from cauto.solver.offload import OFFLOAD_MODES
+from cauto.solver.offload import OFFLOAD_MODES, data_parallel_axes
 from cauto.solver.progress import CHECKPOINT_PHASE, ProgressFn, counted, joint_solves_at_most
 from cauto.solver.solve import solve
 
@@ -41,7 +46,8 @@ CHECKPOINT_METHODS = ("none", "auto", "rotor", "chen")
 
 def plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, *, memory_budget: int | None = None,
          checkpoint: str = "none", solver: str = "cbc", time_limit_s: float = 60.0,
-         progress: ProgressFn | None = None, offload: str = "none") -> dict:
+         progress: ProgressFn | None = None, offload: str = "none",
+         offload_axes: tuple[int, ...] | None = None) -> dict:
     """Return a plan document for ``graph`` on ``cluster`` within ``memory_budget`` bytes per device."""
     if checkpoint not in CHECKPOINT_METHODS:
         raise SolverError(f"checkpoint method {checkpoint!r} is not one of {', '.join(CHECKPOINT_METHODS)}")
@@ -50,17 +56,21 @@ def plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, *, memory_budget:
     if offload == "chunked" and checkpoint != "none":
         raise SolverError("offload='chunked' does not combine with activation checkpointing yet; use "
                           "checkpoint='none', or offload='auto' (chunked state only where no checkpointed plan fits)")
+    if offload_axes is not None:
+        if offload == "none":
+            raise SolverError("offload axes name the axes chunked state is ZeRO-sharded over: they need offload "
+                              "'auto' or 'chunked'")
+        offload_axes = data_parallel_axes(tuple(cluster.mesh_shape), offload_axes)
     if offload != "none":
-        chunked = dict(memory_budget=memory_budget, solver=solver, time_limit_s=time_limit_s, progress=progress,
-                       offload=True)
+        chunked = dict(memory_budget=memory_budget, solver=solver, time_limit_s=time_limit_s, progress=progress)
         if offload == "chunked":
-            return solve(graph, cluster, **chunked)
+            return _chunked_plan(graph, cluster, offload_axes, **chunked)
         try:
             return plan(graph, cluster, memory_budget=memory_budget, checkpoint=checkpoint, solver=solver,
                         time_limit_s=time_limit_s, progress=progress)
         except InfeasibleBudgetError as on_device:
             try:
-                return solve(graph, cluster, **chunked)
+                return _chunked_plan(graph, cluster, offload_axes, **chunked)
             except InfeasibleBudgetError as with_chunks:
                 raise min(on_device, with_chunks, key=lambda e: e.needed_bytes or float("inf")) from None
     if checkpoint == "none":
@@ -95,3 +105,31 @@ def plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, *, memory_budget:
             plan_doc["predictions"]["step_time_s"]["total"]:
         return ilp_only
     return plan_doc
+
+
+def offload_axes_candidates(mesh_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The data-parallel axes D a chunked plan tries when none are given (module docstring): every axis
+    first, then each axis of size > 1 alone where more than one axis has size > 1."""
+    every = tuple(range(len(mesh_shape)))
+    split = [a for a, n in enumerate(mesh_shape) if n > 1]
+    return [every] + ([(a,) for a in split] if len(split) > 1 else [])
+
+
+def _chunked_plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, offload_axes: tuple[int, ...] | None,
+                  **solve_kwargs) -> dict:
+    """The sharding ILP with chunked state over ``offload_axes``, or, when None, the feasible plan with
+    the least predicted step time over ``offload_axes_candidates`` (the first on ties); none feasible
+    raises the InfeasibleBudgetError with the least needed bytes."""
+    if offload_axes is None:
+        candidates = offload_axes_candidates(tuple(cluster.mesh_shape))
+    else:
+        candidates = [offload_axes]
+    plans, infeasible = [], []
+    for axes in candidates:
+        try:
+            plans.append(solve(graph, cluster, offload=True, offload_axes=axes, **solve_kwargs))
+        except InfeasibleBudgetError as exc:
+            infeasible.append(exc)
+    if plans:
+        return min(plans, key=lambda p: p["predictions"]["step_time_s"]["total"])
+    raise min(infeasible, key=lambda e: e.needed_bytes or float("inf"))

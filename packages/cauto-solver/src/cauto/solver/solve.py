@@ -35,7 +35,7 @@ from cauto.solver.errors import InfeasibleBudgetError, SolverError
 from cauto.solver.groups import Problem, build_problem, enumerate_strategies, fanouts, tensor_requires_grad
 from cauto.solver.ilp import solve_ilp
 from cauto.solver.memory import MemoryModel
-from cauto.solver.offload import OffloadModel, ilp_budget, is_chunked
+from cauto.solver.offload import OffloadModel, ilp_budget
 from cauto.solver.progress import ProgressFn
 from cauto.solver.reshard import Collective, backward_target, is_partial, reshard
 from cauto.solver.strategies import Placements, Strategy
@@ -115,7 +115,7 @@ def _top_tensors(graph: GraphDocument, chosen: Mapping[str, Strategy], memory: M
             b = memory.saved_bytes(n, s) + (memory.transient_bytes(n, s) if t == t_peak else 0)
             items.append((f"activation {n.id} ({n.module or 'root'})", b))
     chunks = getattr(memory, "offload", None)
-    if chunks is not None and any(is_chunked(n, chosen[n.id]) for n in nodes):
+    if chunks is not None and any(chunks.chunks(n, chosen[n.id]) for n in nodes):
         items.append(("chunk working set (chunked parameters)", chunks.working_set_bytes))
     items.sort(key=lambda kv: (-kv[1], kv[0]))
     return [kv for kv in items if kv[1] > 0][:8]
@@ -161,7 +161,8 @@ def _fit_prediction(g: GraphDocument, problem: Problem, memory: MemoryModel, res
 
 def solve(graph: GraphDocument | Mapping, cluster: ClusterSpec, *, memory_budget: int | None = None,
           time_limit_s: float = 60.0, solver: str = "cbc", follow: bool = True, share_layers: bool = True,
-          timings: dict | None = None, progress: ProgressFn | None = None, offload: bool = False) -> dict:
+          timings: dict | None = None, progress: ProgressFn | None = None, offload: bool = False,
+          offload_axes: tuple[int, ...] | None = None) -> dict:
     """Plan ``graph`` on ``cluster``: return a plan document (plan.schema.json) that fits the budget.
 
     ``graph`` is a dict (validated here) or a GraphDocument from ``cauto.plan.load_graph`` (already
@@ -171,13 +172,17 @@ def solve(graph: GraphDocument | Mapping, cluster: ClusterSpec, *, memory_budget
     receives the seconds of each phase (build_s: strategies, costs, variables; ilp_s; plan_s).
     ``progress(phase, done, total)``, when given, hears "strategies" and "costs" node by node, then
     "ilp" as 0/1 and 1/1 (the solver tells no fraction; every re-solve is inside that phase).
-    ``offload``: parameters replicated on every mesh axis are chunked (state "chunked", handed to the
-    runtime's chunk manager with the budget; offload.py has the memory and traffic model).
+    ``offload``: parameters replicated on every axis of ``offload_axes`` (the data-parallel axes the
+    chunks are ZeRO-sharded over; default every axis, pure data parallelism) are chunked (state
+    "chunked", handed to the runtime's chunk manager with the budget; offload.py has the memory and
+    traffic model). ``offload_axes`` must be distinct axes of the mesh, and needs ``offload``.
     """
     start = time.perf_counter()
     g = _graph(graph)
     budget = int(memory_budget if memory_budget is not None else cluster.device.memory_bytes)
-    chunks = OffloadModel.for_graph(g, cluster, budget) if offload else None
+    if offload_axes is not None and not offload:
+        raise SolverError("offload_axes names the axes chunked state is ZeRO-sharded over: it needs offload")
+    chunks = OffloadModel.for_graph(g, cluster, budget, offload_axes) if offload else None
     strategies, cost, memory, problem = build(g, cluster, follow=follow, share_layers=share_layers,
                                               progress=progress, offload=chunks)
     built = time.perf_counter()
@@ -191,14 +196,16 @@ def solve(graph: GraphDocument | Mapping, cluster: ClusterSpec, *, memory_budget
                                                                       memory, budget):
         result.feasible = False
     if not result.feasible:
-        # with chunks: the fastest plan (edge-free when one exists) and the peak its plan would predict
-        least = solve_ilp(problem, None, solver=solver, time_limit_s=time_limit_s, minimize_peak=chunks is None)
+        # with pure data-parallel chunks: the fastest plan (edge-free when one exists) and the peak its plan
+        # would predict; otherwise the least-memory plan
+        least_peak = chunks is None or not chunks.pure
+        least = solve_ilp(problem, None, solver=solver, time_limit_s=time_limit_s, minimize_peak=least_peak)
         if progress is not None:
             progress("ilp", 1, 1)
         chosen = chosen_strategies(problem, least.choice)
         nodes = [n for n in g.nodes if n.kind != "output"]
         needed = predicted_peak_bytes(memory, nodes, chosen)
-        if chunks is None and least.feasible and needed <= budget:
+        if least_peak and least.feasible and needed <= budget:
             result = least  # the least-memory plan fits where the fastest-first search overshot
         else:
             raise InfeasibleBudgetError(budget, needed, _top_tensors(g, chosen, memory))

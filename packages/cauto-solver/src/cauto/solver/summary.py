@@ -42,8 +42,10 @@ def summary(plan: dict, top_edges: int = 5) -> str:
     off = plan.get("offload")
     if off:
         chunked = sum(p.get("state") == "chunked" for p in plan["params"].values())
+        zero_axes = ",".join(names[a] for a in off.get("mesh_axes", range(len(names))))
         lines.append(f"chunked state        {chunked} params in {off.get('num_chunks', '?')} chunks of "
-                     f"{off['chunk_elems']} elements; device budget {fmt_bytes(off['device_budget_bytes'])}, "
+                     f"{off['chunk_elems']} elements, ZeRO over {zero_axes}; device budget "
+                     f"{fmt_bytes(off['device_budget_bytes'])}, "
                      f"working set {fmt_bytes(off.get('working_set_bytes', 0))}, host link "
                      f"{fmt_bytes(off.get('moved_bytes', 0))}/step ({fmt_s(st.get('offload', 0.0))})")
     counts = Counter((c.get("phase", "?"), c["op"], names[c["axis"]]) for c in pred["collectives"])
