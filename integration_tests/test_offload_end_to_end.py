@@ -89,6 +89,36 @@ def test_chunked_plan_trains_on_two_ranks_like_one_process(plans, tmp_path):
             assert r["pinned_peak_bytes"] <= off["working_set_bytes"], r
             assert 0 < r["traffic"]["moved_bytes"] <= off["moved_bytes"], r
             assert r["arena_bytes"] < r["num_chunks"] * r["chunk_elems"] * 16  # the state did not fit: it paged
+            assert r["collectives"]["executed"] == r["collectives"]["predicted"], r["collectives"]
+
+
+def test_tensor_parallel_plan_with_chunked_data_parallel_state_trains_on_four_ranks(tmp_path):
+    """Solver -> a 2 x 2 (dp, tp) plan whose chunks are ZeRO-sharded over dp only and whose parameters
+    are tensor-parallel on tp -> 4 gloo ranks running the DTensor program with the parameter shards in
+    chunks (cauto-runtime chunked_program.py): losses and parameters equal one process, and the chunk
+    manager's figures stay within the plan's, as for pure data parallelism above."""
+    kwargs = CASES["gpt"]
+    graph = profile(functools.partial(zoo.ZOO["gpt"], **kwargs)).to_graph()
+    p = plan(graph, cluster_for_mesh("cpu-gloo", (2, 2)), memory_budget=BUDGET, offload="chunked", offload_axes=(0,))
+    off = p["offload"]
+    assert off["mesh_axes"] == [0] and {e["state"] for e in p["params"].values()} == {"chunked"}
+    assert all(e["placements"][0] == "R" for e in p["params"].values())
+    assert any(e["placements"][1] != "R" for e in p["params"].values()), "the plan splits no parameter on tp"
+    job = dict(name="gpt", model="gpt", kwargs=kwargs, mesh=[2, 2], axis_names=p["mesh"]["axis_names"],
+               check="chunked", program=True, steps=STEPS, lr=LR, plan=p)
+    for rank in _run_ranks()(4, [job], tmp_path, timeout_s=400):
+        r = rank["gpt"]
+        assert "error" not in r, r.get("error")
+        for got, want in zip(r["losses"], r["ref_losses"]):
+            assert abs(got - want) <= TOL * max(1.0, abs(want)), r
+        assert r["param_diff_without_k_bias"] < ADAM_NOISE * LR * STEPS, r
+        assert r["world_size"] == 2 and r["chunk_elems"] == off["chunk_elems"] and r["num_chunks"] == off["num_chunks"]
+        assert r["nonmodel_peak_bytes"] <= p["predictions"]["peak_bytes"] - off["working_set_bytes"], r
+        assert r["arena_bytes"] >= off["arena_bytes"], r
+        assert r["pinned_peak_bytes"] <= off["working_set_bytes"], r
+        assert 0 < r["traffic"]["moved_bytes"] <= off["moved_bytes"], r
+        # every collective of a step, DTensor's on tp and the chunk manager's on dp, as the plan predicted
+        assert r["collectives"]["executed"] == r["collectives"]["predicted"], r["collectives"]
 
 
 def test_cli_offload_plan_runs_under_torchrun(cauto, tmp_path):
@@ -108,3 +138,5 @@ def test_cli_offload_plan_runs_under_torchrun(cauto, tmp_path):
     losses = [float(x) for x in re.findall(r"^step \d+/\d+ loss ([0-9.]+)", res.stdout, re.M)]
     assert len(losses) >= 2 and losses[-1] < losses[0]
     assert "cauto verify (chunked state)" in res.stdout
+    counts = re.findall(r"^\s+(all_gather|all_reduce|reduce_scatter)\s+predicted\s+(\d+)\s+executed\s+(\d+)", res.stdout, re.M)
+    assert counts and all(p == e for _, p, e in counts), res.stdout

@@ -1,6 +1,8 @@
-"""Plans with chunked state (chunked.py): refusals in one process, training parity on 2 gloo ranks,
-and the launcher under torchrun. Plans here are hand-made data-parallel plans with every parameter
-chunked (handplan ``offload=``); integration_tests/test_offload_end_to_end.py takes them from the solver.
+"""Plans with chunked state: refusals in one process, training parity on gloo ranks, and the
+launcher under torchrun. Pure data parallelism runs the model as written (chunked.py); tensor
+parallelism beside chunked data-parallel state runs the DTensor program with the parameter shards in
+chunks (chunked_program.py). Plans here are hand-made (handplan ``offload=``);
+integration_tests/test_offload_end_to_end.py takes them from the solver.
 """
 
 from __future__ import annotations
@@ -48,14 +50,78 @@ def test_refuses_what_the_chunk_manager_does_not_run():
     del missing["offload"]
     with pytest.raises(PlanMismatchError, match="offload section"):
         _apply("mlp", MLP, missing)
+    # a plan that redistributes activations is not the model as written: the DTensor program runs it
     edges = plan_for("mlp", MLP, (2,), ["dp"], inputs="S(0)", offload=OFFLOAD,
                      force={"linear_1": ["R", "R", "R"]})
     assert edges["edges"]
-    with pytest.raises(PlanMismatchError, match="redistributes activations"):
-        _apply("mlp", MLP, edges)
+    program = _apply("mlp", MLP, edges)
+    assert program.manager is not None and "fetch_chunked(" in program.generated_code
     with pytest.raises(PlanMismatchError, match="no DTensor program"):  # what codegen checks
         from cauto.plan import load_plan
         check_fits(zoo_capture("mlp", MLP), load_plan(good), make_mesh((2,), ["dp"]))
+
+
+def _megatron(layers: int) -> dict[str, str]:
+    """Megatron-style tensor parallelism on mesh axis 1 (column-parallel q/k/v/fc, row-parallel proj/out)."""
+    out = {}
+    for i in range(layers):
+        for n in ("attn.q", "attn.k", "attn.v", "fc"):
+            out[f"blocks.{i}.{n}.weight"] = out[f"blocks.{i}.{n}.bias"] = "R,S(0)"
+        out[f"blocks.{i}.attn.proj.weight"] = out[f"blocks.{i}.out.weight"] = "R,S(1)"
+    return out
+
+
+def _apply_2d(plan: dict):
+    from cauto.profiler import zoo
+    from cauto.runtime.apply import apply
+    from cauto.runtime.dist_utils import make_mesh
+    return apply(lambda: zoo.ZOO["gpt"](**GPT), plan, make_mesh((2, 2), ["dp", "tp"]), captured=zoo_capture("gpt", GPT))
+
+
+def test_tensor_parallel_chunked_plan_runs_the_dtensor_program_or_says_why_not():
+    from cauto.runtime.apply import ParallelModule, PlanMismatchError
+    fake_world(4)
+    good = plan_for("gpt", GPT, (2, 2), ["dp", "tp"], inputs="S(0),R", params=_megatron(2),
+                    offload={**OFFLOAD, "chunk_elems": 4096, "mesh_axes": [0]})
+    m = _apply_2d(good)
+    assert isinstance(m, ParallelModule) and m.manager.world_size == 2  # ZeRO over the dp axis only
+    shards = {s.name: tuple(s.shape) for s in m.manager.layout.slots}
+    assert shards["blocks.0.fc.weight"] == (64, 32) and shards["blocks.0.attn.proj.weight"] == (32, 16)  # TP shards
+    code = m.generated_code
+    assert code.count("fetch_chunked(") == code.count("release_chunked(") > 0 and "ZeRO over mesh axes [0]" in code
+    assert not [p for p in m.parameters() if p.requires_grad and type(p).__name__ == "DTensor"]
+    on_dp = copy.deepcopy(good)
+    on_dp["params"]["p_m_blocks_0_fc_weight"]["placements"] = ["S(0)", "S(0)"]
+    with pytest.raises(PlanMismatchError, match="not Replicate on the data-parallel mesh axes"):
+        _apply_2d(on_dp)
+    mixed = copy.deepcopy(good)
+    mixed["params"]["p_m_blocks_0_fc_weight"]["state"] = "device"
+    with pytest.raises(PlanMismatchError, match="every trainable parameter is chunked"):
+        _apply_2d(mixed)
+    regions = copy.deepcopy(good)
+    regions["checkpoint"] = {"method": "rotor", "regions": [{"nodes": ["layer_norm"]}]}
+    with pytest.raises(PlanMismatchError, match="checkpoint regions"):
+        _apply_2d(regions)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_beside_chunked_data_parallel_state_trains_like_one_process(tmp_path):
+    """4 gloo ranks, mesh dp x tp = 2 x 2: Megatron-style tensor parallelism on tp, every parameter's
+    tp shard chunked and ZeRO-sharded over dp, a device too small for the model state (it pages).
+    The GPT's embedding and head are tied (one chunked shard, fetched twice). Per-step losses and
+    final parameter shards equal an un-chunked single-process AdamW run."""
+    jobs = [dict(name="gpt", model="gpt", kwargs=GPT, mesh=[2, 2], axis_names=["dp", "tp"], check="chunked",
+                 steps=4, program=True,
+                 plan=plan_for("gpt", GPT, (2, 2), ["dp", "tp"], inputs="S(0),R", params=_megatron(2),
+                               offload={"device_budget_bytes": 256 << 10, "chunk_elems": 4096, "mesh_axes": [0]}))]
+    for rank in run_ranks(4, jobs, tmp_path, timeout_s=240):
+        r = rank["gpt"]
+        assert "error" not in r, r.get("error")
+        for got, want in zip(r["losses"], r["ref_losses"]):
+            assert abs(got - want) <= TOL * max(1.0, abs(want)), r
+        assert r["losses"][-1] < r["losses"][0] and r["world_size"] == 2
+        assert r["param_diff_without_k_bias"] < TOL, r  # key biases: see the test below
+        assert r["arena_bytes"] < r["num_chunks"] * r["chunk_elems"] * 16 and r["traffic"]["h2d_bytes"] > 0, r
 
 
 @pytest.mark.slow

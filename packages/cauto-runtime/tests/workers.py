@@ -106,18 +106,30 @@ def run_job(job: dict, mesh, captures: dict) -> dict:
 
 
 def _chunked_params(m) -> dict[str, torch.Tensor]:
-    """Every parameter's current value on every rank: all-gather every chunk group (a collective)."""
+    """Every parameter's current value (this rank's shard of it in a DTensor program) on every rank:
+    all-gather every chunk group (a collective)."""
     mgr = m.manager
     mgr.begin_forward()
     mgr.gather_groups(mgr.num_groups)
     return {s.name: s.param.detach().clone() for s in mgr.layout.slots}
 
 
+def _ref_shards(m, ref, mesh) -> dict[str, torch.Tensor]:
+    """The reference model's parameters cut as this rank's chunked shards are (whole in chunked.py)."""
+    from cauto.runtime.dist_utils import local_slices
+    shards = getattr(m, "_shards", {})
+    out = {}
+    for name, p in ref.named_parameters():
+        full = p.detach()
+        out[name] = full[local_slices(tuple(full.shape), shards[name].placements, mesh)] if name in shards else full
+    return out
+
+
 def chunked_job(job: dict, fn, cap, mesh) -> dict:
     """A plan with chunked state vs the same model trained in this process without chunks: per-step
     losses, final parameters, and the chunk manager's figures (arena, traffic of the last step)."""
     from cauto.profiler.capture import loss_of, split_inputs
-    from cauto.runtime.apply import apply
+    from cauto.runtime.apply import ParallelModule, apply
     from cauto.runtime.chunked import ChunkedParallelModule
 
     torch.manual_seed(0)
@@ -127,7 +139,8 @@ def chunked_job(job: dict, fn, cap, mesh) -> dict:
     lr = job.get("lr", 1e-2)
     m = apply(fn, job["plan"], mesh, state_dict=state, captured=cap,
               optimizer=lambda mod: torch.optim.AdamW(mod.parameters(), lr=lr))
-    assert isinstance(m, ChunkedParallelModule), type(m)
+    program = isinstance(m, ParallelModule)
+    assert program == bool(job.get("program")) and (program or isinstance(m, ChunkedParallelModule)), type(m)
     args, kwargs = split_inputs(inputs)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=lr)
     opt = m.optimizer
@@ -148,21 +161,25 @@ def chunked_job(job: dict, fn, cap, mesh) -> dict:
         ref_losses.append(float(ref_loss))
     traffic = m.manager.mover.traffic.to_dict()
     params = _chunked_params(m)
-    diffs = {n: float((params[n] - p.detach()).abs().max()) for n, p in ref.named_parameters()}
+    want = _ref_shards(m, ref, mesh)
+    diffs = {n: float((params[n] - want[n]).abs().max()) for n in want}
     worst = max(diffs, key=diffs.get)
-    rel = float((params[worst] - ref.get_parameter(worst).detach()).norm() / ref.get_parameter(worst).detach().norm())
+    rel = float((params[worst] - want[worst]).norm() / want[worst].norm())
     mgr = m.manager
-    return {"losses": losses, "ref_losses": ref_losses, "param_diff": diffs[worst], "worst_param": worst,
+    from cauto.runtime.chunked import chunk_report
+    report = chunk_report(m, (args, kwargs))  # one more step, after the comparisons: its collectives
+    return {"losses": losses, "ref_losses": ref_losses, "collectives": report["collectives"], "param_diff": diffs[worst], "worst_param": worst,
             "param_diff_without_k_bias": max(v for n, v in diffs.items() if not n.endswith("attn.k.bias")),
             "top_param_diffs": sorted(diffs.items(), key=lambda kv: -kv[1])[:5],
-            "param_rel_err": float(torch.sqrt(sum(((params[n] - p.detach()) ** 2).sum() for n, p in ref.named_parameters())
-                                              / sum((p.detach() ** 2).sum() for _, p in ref.named_parameters()))),
+            "param_rel_err": float(torch.sqrt(sum(((params[n] - want[n]) ** 2).sum() for n in want)
+                                              / sum((w ** 2).sum() for w in want.values()))),
             "worst_param_rel_err": rel, "traffic": traffic,
             "arena_bytes": mgr.arena.nbytes, "nonmodel_peak_bytes": int(mgr.nonmodel_peak_bytes),
             "pinned_peak_bytes": max(mgr.trace_pinned_bytes, default=0), "num_chunks": mgr.layout.num_chunks,
             "chunk_elems": mgr.layout.chunk_elems, "world_size": mgr.world_size,
             "optimizer_on_device": any(c.fixed for c in mgr.chunks.values()),
-            "local_batch": [int(t.shape[0]) for t in m._local(list(args) + list(kwargs.values()))]}
+            "local_batch": [] if program else [int(t.shape[0]) for t in m._local(list(args) + list(kwargs.values()))],
+            "fetches": m.generated_code.count("fetch_chunked(") if program else 0}
 
 
 def main() -> None:

@@ -5,8 +5,10 @@ plan's node ids), refuse a plan made for another graph or mesh, build the model 
 parameters on meta, give each rank its own shards, rewrite the captured graph into the parallel
 program (``execute.build``), and install bucketed gradient synchronization (``grad_sync``).
 
-A plan whose parameters' state is "chunked" (the solver's offload) runs instead as chunked.py says:
-the model as written under the chunk manager, pure data parallelism (``ChunkedParallelModule``).
+A plan whose parameters' state is "chunked" (the solver's offload) runs as chunked.py says when it
+is pure data parallelism (the model as written under the chunk manager, ``ChunkedParallelModule``),
+and otherwise as chunked_program.py says: this DTensor program, with the chunked parameters' local
+shards in the chunk manager, fetched around the ops that use them.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from cauto.plan import MismatchError, PlanDocument, load_plan
 from cauto.profiler.capture import Capture, capture
 from cauto.runtime import execute
 from cauto.runtime.chunked import ChunkedParallelModule, apply_chunked
+from cauto.runtime.chunked_program import build_program, is_pure_data_parallel, shard_into_chunks
 from cauto.runtime.dist_utils import local_slices, to_placements
 from cauto.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradSync
 from cauto.runtime.inputs import flat_inputs
@@ -42,10 +46,13 @@ class ParallelModule(nn.Module):
     under the model's own names (``torch.distributed.checkpoint`` saves and loads it shard-wise).
     Attributes: ``plan``, ``predictions``, ``generated_code``, ``executable`` (redistributions,
     mismatches), ``capture``, ``mesh``, ``optimizer`` (what ``apply``'s ``optimizer`` factory built, or None).
+    With chunked parameters (chunked_program.py) also ``chunked`` (the ChunkedModel) and ``manager``
+    (its ChunkManager); ``optimizer`` is then the ChunkedAdam and ``state_dict()`` holds only the
+    device parameters and buffers (checkpoint chunked state with ``cauto.runtime.chunks.save_checkpoint``).
     """
 
     def __init__(self, model: nn.Module, cap: Capture, plan: PlanDocument, mesh: DeviceMesh,
-                 executable: execute.ExecutableGraph, bucket_bytes: int):
+                 executable: execute.ExecutableGraph, bucket_bytes: int, chunked=None, shards=None):
         super().__init__()
         for name, child in model.named_children():
             self.add_module(name, child)
@@ -57,14 +64,18 @@ class ParallelModule(nn.Module):
         self.__dict__["executable"] = executable
         self.plan = plan
         self.mesh = mesh
+        self.__dict__["chunked"] = chunked
+        self._shards = shards or {}
         self._state = [self._lookup(node) for node in cap.graph.nodes
                        if node.op == "placeholder" and cap.placeholders[node.name][0] != "input"]
         self._input_names = [name for name, (kind, _) in cap.placeholders.items() if kind == "input"]
         self._kwarg_order = list(cap.kwargs)
-        self.grad_sync = GradSync([p for p in self.parameters()], mesh, bucket_bytes)
+        self.grad_sync = GradSync([p for p in self.parameters() if isinstance(p, DTensor)], mesh, bucket_bytes)
 
-    def _lookup(self, node) -> torch.Tensor:
+    def _lookup(self, node):
         kind, fqn = self.capture.placeholders[node.name]
+        if kind == "param" and fqn in self._shards:
+            return self._shards[fqn]
         if kind == "param":
             return self.get_parameter(fqn)
         return self.get_buffer(fqn)
@@ -80,9 +91,17 @@ class ParallelModule(nn.Module):
         from cauto.runtime.codegen import render
         return render(self.executable, self.plan)
 
+    @property
+    def manager(self):
+        """The chunk manager of the chunked parameters (None without them)."""
+        return self.chunked.manager if self.chunked is not None else None
+
     def forward(self, *args, **kwargs) -> torch.Tensor:
         flat = flat_inputs(args, kwargs, self._kwarg_order, self._input_names)
-        (loss,) = self.executable.module(*self._state, *flat)
+        if self.chunked is not None:
+            (loss,) = self.chunked.run(self.executable.module, *self._state, *flat)
+        else:
+            (loss,) = self.executable.module(*self._state, *flat)
         return loss
 
     def input_slices(self) -> dict[str, tuple[slice, ...]]:
@@ -128,7 +147,8 @@ def check_fits(cap: Capture, plan: PlanDocument, mesh: DeviceMesh, *, chunked_ok
         raise PlanMismatchError(
             f"the plan keeps the state of {len(offloaded)} parameters off the device (first: {offloaded[0]!r}, "
             f"state {next(e['state'] for e in plan.params.values() if e['target'] == offloaded[0])!r}); there is no "
-            "DTensor program for chunked state: apply runs the model as written under the chunk manager (chunked.py)")
+            "DTensor program for pure data parallelism with chunked state: apply runs the model as written under the "
+            "chunk manager (chunked.py)")
     missing = [n.name for n in cap.value_nodes() if n.name not in plan.nodes]
     if missing:
         raise PlanMismatchError(f"plan.nodes has no entry for {len(missing)} graph nodes (first: {missing[0]!r})")
@@ -149,9 +169,10 @@ def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, 
     ``torch.initial_seed()``, shared with all ranks). ``check_placements``: compare DTensor's own
     placement choices with the plan before the first step (mismatches are fixed and reported).
     ``optimizer``: a factory ``module -> torch optimizer``; the result's ``optimizer`` attribute is what it
-    built (None without it). For a plan with chunked state (chunked.py) the module is a
-    ChunkedParallelModule and ``optimizer`` is a ChunkedAdam built from the factory's class (Adam or
-    AdamW) and parameter groups (default AdamW's); train through ``model.optimizer`` in both cases.
+    built (None without it). For a plan with chunked state ``optimizer`` is a ChunkedAdam built from the
+    factory's class (Adam or AdamW) and parameter groups (default AdamW's), and the module is a
+    ChunkedParallelModule (pure data parallelism, chunked.py) or a ParallelModule whose chunked
+    parameter shards the program fetches (chunked_program.py); train through ``model.optimizer`` in every case.
     """
     plan = plan if isinstance(plan, PlanDocument) else load_plan(plan)
     if isinstance(model_or_fn, nn.Module):
@@ -162,7 +183,8 @@ def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, 
     check_fits(cap, plan, mesh, chunked_ok=True)
     if seed is None and state_dict is None:
         seed = _shared_seed()
-    if any(e.get("state", "device") != "device" for e in plan.params.values()):
+    has_chunks = any(e.get("state", "device") != "device" for e in plan.params.values())
+    if has_chunks and is_pure_data_parallel(plan):
         return apply_chunked(fn, cap, plan, mesh, seed=seed, state_dict=state_dict, optimizer=optimizer)
     model, _, fills = build_skeleton(fn)
     model.train()
@@ -183,6 +205,12 @@ def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, 
         outputs = {k: [",".join(p) for p in v["outputs"]] for k, v in plan.nodes.items()}
         propagation = propagate(cap, mesh, ph, node_inputs=inputs, node_outputs=outputs)
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+    if has_chunks:
+        chunked, chunked_opt, shards = shard_into_chunks(model, plan, mesh, device, optimizer)
+        executable = build_program(cap, plan, mesh, device, propagation, shards)
+        module = ParallelModule(model, cap, plan, mesh, executable, bucket_bytes, chunked, shards)
+        module.optimizer = chunked_opt
+        return module
     executable = execute.build(cap, plan, mesh, device, propagation)
     module = ParallelModule(model, cap, plan, mesh, executable, bucket_bytes)
     module.optimizer = optimizer(module) if optimizer is not None else None

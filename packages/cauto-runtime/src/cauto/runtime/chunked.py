@@ -47,6 +47,7 @@ Checkpoints: ``cauto.runtime.chunks.save_checkpoint(model.optimizer, directory)`
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -256,15 +257,22 @@ def apply_chunked(fn: Callable, cap: Capture, plan: PlanDocument, mesh: DeviceMe
     return ChunkedParallelModule(chunked, opt, cap, plan, mesh, device, group)
 
 
-def chunk_report(module: ChunkedParallelModule, inputs: tuple[tuple, dict]) -> dict:
-    """One training step with the chunk manager's counters: predicted vs measured host link bytes,
-    arena, non-model peak and chunks in use at once (call after the warm-up step)."""
+def chunk_report(module, inputs: tuple[tuple, dict]) -> dict:
+    """One training step of a module with chunked state (ChunkedParallelModule, or a ParallelModule
+    with chunked parameter shards) with the chunk manager's counters: predicted vs measured host link
+    bytes, arena, non-model peak, chunks in use at once, and the collectives of the step per op
+    (CommDebugMode; call after the warm-up step)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from cauto.runtime.verify import executed_counts, predicted_counts
     args, kwargs = inputs
     mgr = module.manager
     mgr.mover.traffic.reset()
-    module(*args, **kwargs).backward()
-    module.optimizer.step()
-    module.optimizer.zero_grad()
+    with CommDebugMode() as comm, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Full backward hook")  # CommDebugMode's module tracker
+        module(*args, **kwargs).backward()
+        module.optimizer.step()
+        module.optimizer.zero_grad()
     off = module.plan.offload or {}
     peak = int(module.plan.predictions["peak_bytes"])
     ws = int(off.get("working_set_bytes", 0))
@@ -274,6 +282,8 @@ def chunk_report(module: ChunkedParallelModule, inputs: tuple[tuple, dict]) -> d
         "nonmodel_peak_bytes": {"predicted": peak - ws, "measured": int(mgr.nonmodel_peak_bytes)},
         "working_set_bytes": {"predicted": ws, "measured": max(mgr.trace_pinned_bytes, default=0)},
         "comm_bytes": mgr.mover.traffic.comm_bytes,
+        "collectives": {"predicted": dict(predicted_counts(module.plan, ("forward", "backward", "grad_sync", "optimizer"))),
+                        "executed": dict(executed_counts(comm))},
     }
 
 
@@ -284,6 +294,9 @@ def format_chunk_report(report: dict, rank: int = 0) -> str:
         r = report[key]
         lines.append(f"  {key:20s} predicted {r['predicted'] / 2**20:8.3f} MiB  measured {r['measured'] / 2**20:8.3f} MiB")
     lines.append(f"  collective bytes     {report['comm_bytes'] / 2**20:8.3f} MiB")
+    coll = report["collectives"]
+    for op in sorted(set(coll["predicted"]) | set(coll["executed"])):
+        lines.append(f"  {op:20s} predicted {coll['predicted'].get(op, 0):5d}  executed {coll['executed'].get(op, 0):5d}")
     return "\n".join(lines)
 
 

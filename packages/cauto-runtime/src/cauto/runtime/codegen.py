@@ -37,9 +37,13 @@ def render(executable, plan) -> str:
         f"Redistributions: {len(executable.redistributions)}; placement mismatches fixed: "
         f"{len(executable.mismatches)}.",
         "Arguments: parameters and buffers (DTensors), then the user inputs, in graph-signature order.",
-        '"""',
-        "",
     ]
+    chunked = sum(1 for entry in plan.params.values() if entry.get("state") == "chunked")
+    if chunked:
+        axes = (plan.offload or {}).get("mesh_axes", [])
+        header += [f"{chunked} parameters are chunked (ZeRO over mesh axes {axes}): they arrive as ChunkedShard "
+                   "handles, fetched as DTensors around the ops that read them (cauto.runtime.chunk_fetch)."]
+    header += ['"""', ""]
     body = ["class ParallelForward(torch.nn.Module):", *["    " + line for line in gm.code.strip("\n").splitlines()]]
     for name, sub in gm.named_children():
         if isinstance(sub, torch.fx.GraphModule):

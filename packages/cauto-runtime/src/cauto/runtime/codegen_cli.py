@@ -2,7 +2,9 @@
 
 The code is produced by building the parallel program for the plan on a simulated process group
 of the plan's mesh size (one process, no data: parameters are not materialized), so it runs
-anywhere; it is the same code ``apply`` executes on each rank.
+anywhere; it is the same code ``apply`` executes on each rank. A plan with chunked state beside
+tensor parallelism shows its ``fetch_chunked``/``release_chunked`` calls; a pure data-parallel plan
+with chunked state has no program (the model runs as written) and is refused.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def generate(target, plan_path: str) -> str:
     from cauto.profiler.capture import capture
     from cauto.runtime import execute
     from cauto.runtime.apply import check_fits
+    from cauto.runtime.chunked_program import is_pure_data_parallel
     from cauto.runtime.codegen import render
     from cauto.runtime.dist_utils import make_mesh
 
@@ -37,8 +40,9 @@ def generate(target, plan_path: str) -> str:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     mesh = make_mesh(plan.mesh["shape"], plan.mesh["axis_names"])
     cap = capture(target)
-    check_fits(cap, plan, mesh)
-    return render(execute.build(cap, plan, mesh, torch.device("cpu")), plan)
+    chunked = {pid for pid, entry in plan.params.items() if entry.get("state") == "chunked"}
+    check_fits(cap, plan, mesh, chunked_ok=bool(chunked) and not is_pure_data_parallel(plan))
+    return render(execute.build(cap, plan, mesh, torch.device("cpu"), chunked=chunked), plan)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,8 @@ graph-signature order) is copied node for node, names kept, and rewritten:
   ``propagate``), the output is redistributed to the planned placement and the mismatch recorded;
 * a few ATen ops without DTensor sharding rules on this device are replaced by ``ops`` versions
   that run locally on each shard (e.g. attention with batch or heads sharded);
-* checkpoint regions become calls of ``torch.utils.checkpoint.checkpoint`` on sub-GraphModules.
+* checkpoint regions become calls of ``torch.utils.checkpoint.checkpoint`` on sub-GraphModules;
+* parameters whose shards live in chunks are fetched and released around their uses (chunk_fetch.py).
 
 The generated code (``ExecutableGraph.code``) is the GraphModule's own ``.code`` with the plan's
 placements and collectives appended as comments, and the module's ``forward`` is compiled from
@@ -101,8 +102,10 @@ def _insert(graph: torch.fx.Graph, where: torch.fx.Node, before: bool, target, a
 
 
 def build(cap: Capture, plan: PlanDocument, mesh: DeviceMesh, device: torch.device,
-          propagation: Propagation | None = None) -> ExecutableGraph:
-    """Rewrite the captured graph for ``plan`` on ``mesh`` (see module docstring) and compile it."""
+          propagation: Propagation | None = None, chunked: set[str] | None = None) -> ExecutableGraph:
+    """Rewrite the captured graph for ``plan`` on ``mesh`` (see module docstring) and compile it.
+    ``chunked``: placeholders of parameters whose shards live in chunks, fetched around their uses
+    (chunk_fetch.py)."""
     graph = torch.fx.Graph()
     val_map: dict[torch.fx.Node, torch.fx.Node] = {}
     out = graph.graph_copy(cap.graph, val_map)
@@ -215,6 +218,9 @@ def build(cap: Capture, plan: PlanDocument, mesh: DeviceMesh, device: torch.devi
         final = graph.call_function(ops.to_local_loss, (loss, mesh_node, rescale))
     final.meta["cauto_comment"] = "loss, replicated on every rank"
     output.args = ((final,),)
+    if chunked:
+        from cauto.runtime.chunk_fetch import insert_fetches
+        insert_fetches(graph, chunked)
     root = torch.nn.Module()
     root.mesh = mesh
     gm = torch.fx.GraphModule(root, graph)

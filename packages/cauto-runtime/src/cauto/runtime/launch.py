@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             opt.zero_grad()
             if rank == 0:  # `cauto run` draws its step bar from this line (cauto.cli.run.STEP_LINE)
                 print(f"step {step + 1}/{args.steps} loss {loss.item():.5f} time {time.perf_counter() - start:.3f} s", flush=True)
-        if args.verify and isinstance(model, ChunkedParallelModule):
+        if args.verify and (isinstance(model, ChunkedParallelModule) or getattr(model, "manager", None) is not None):
             report = chunk_report(model, inputs)
             if rank == 0:
                 print(format_chunk_report(report, rank), flush=True)

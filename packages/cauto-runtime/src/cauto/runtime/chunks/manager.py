@@ -78,7 +78,7 @@ class ChunkManager:
     """
 
     def __init__(self, layout: Layout, compute_dtype: torch.dtype, device: torch.device, budget_bytes: int,
-                 warmup_arena_bytes: int, process_group=None, policy: str = "belady"):
+                 warmup_arena_bytes: int, process_group=None, policy: str = "belady", average_grads: bool = True):
         if policy not in POLICIES:
             raise ValueError(f"unknown chunk policy {policy!r}; choose one of {POLICIES}")
         self.policy = policy
@@ -87,6 +87,9 @@ class ChunkManager:
         self.device = device
         self.budget_bytes = budget_bytes
         self.pg = process_group
+        #: the reduce-scatter averages the ranks' gradients (each rank's is of its own batch slice's
+        #: loss) or sums them (each rank holds a Partial(sum) share of the global loss's gradient)
+        self.average_grads = average_grads
         self.world_size = dist.get_world_size(process_group) if process_group is not None else 1
         self.rank = dist.get_rank(process_group) if process_group is not None else 0
         self.comm_device = device if (process_group is not None and dist.get_backend(process_group) == "nccl") \
@@ -490,7 +493,8 @@ class ChunkManager:
         out = torch.empty(n, dtype=torch.float32, device=self.comm_device)
         dist.reduce_scatter_single(out, inp, group=self.pg)
         self.mover.traffic.comm_bytes += inp.numel() * inp.element_size()
-        out.div_(w)
+        if self.average_grads:
+            out.div_(w)
         own = g * w + self.rank
         rg = self.chunks[(RGRAD, own)]
         if rg.dev_off is not None:

@@ -12,6 +12,11 @@
 * Recomputation (``torch.utils.checkpoint`` inside the model): a forward that runs during backward
   keeps its chunks pinned until all their tensors are HOLD_AFTER_BWD, because the recomputed
   activations view the slots directly (checkpoint's own saved-tensor hooks replace ours there).
+* Programs instead of the module's forward (``module_hooks=False``; cauto.runtime's DTensor
+  program with chunked parameter shards): :meth:`ChunkedModel.run` wraps one forward,
+  :meth:`ChunkedModel.fetch` gathers, fetches and pins a parameter's chunk and returns the
+  parameter (viewing it), :meth:`ChunkedModel.release` unpins it. Saved DTensors whose local tensor
+  views a chunk are saved as a reference plus their DTensor spec, like plain tensors.
 * Non-model memory for the warm-up trace: on CUDA, allocated bytes minus the arena; on CPU, the
   distinct storages autograd saves plus the gradient being accumulated (activations are what
   dominates non-model memory; workspace of individual operators is not seen there).
@@ -23,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .chunk import Layout, TensorState
 from .manager import BACKWARD_PINS, GRAD, PARAM, ChunkManager
@@ -34,12 +40,13 @@ class _ParamRef:
     offset: int
     shape: torch.Size
     stride: tuple[int, ...]
+    spec: object = None  # the DTensorSpec when the saved tensor was a DTensor
 
 
 class ChunkedModel(nn.Module):
     """A model whose parameters live in chunks; call it like the original module."""
 
-    def __init__(self, module: nn.Module, manager: ChunkManager, layout: Layout):
+    def __init__(self, module: nn.Module, manager: ChunkManager, layout: Layout, module_hooks: bool = True):
         super().__init__()
         self.module = module
         self.manager = manager
@@ -48,7 +55,7 @@ class ChunkedModel(nn.Module):
         self._module_slots: dict[nn.Module, list] = {}
         for m in module.modules():
             slots = [self._slot_of[id(p)] for p in m.parameters(recurse=False) if id(p) in self._slot_of]
-            if slots:
+            if slots and module_hooks:
                 self._module_slots[m] = slots
                 m.register_forward_pre_hook(self._pre_forward)
                 m.register_forward_hook(self._post_forward)
@@ -58,6 +65,9 @@ class ChunkedModel(nn.Module):
         self._ring: list[tuple[str, int]] = []
         self._recompute_pins: dict[int, int] = {}
         self._saved_storages: dict[int, int] = {}
+        #: in a program's forward (run): slot index -> what its first fetch returned (the program's own
+        #: bookkeeping, so that every use of a parameter sends its gradient through one autograd node)
+        self.fetched: dict[int, object] = {}
         self.new_iteration = False
 
     def forward(self, *args, **kwargs):
@@ -77,6 +87,44 @@ class ChunkedModel(nn.Module):
             out = self.module(*args, **kwargs)
         mgr.gather_groups(mgr.num_groups)  # same all-gathers on every rank, used or not
         return out
+
+    # ---------------------------------------------------------------- programs (module_hooks=False)
+    def run(self, program, *args):
+        """Run ``program(*args)`` as one forward of the chunked parameters (it calls fetch/release)."""
+        mgr = self.manager
+        if self.new_iteration:
+            mgr.iteration_start()
+            self.new_iteration = False
+        mgr.begin_forward()
+        self._saved_storages.clear()
+        mgr.nonmodel_bytes = 0
+        self.fetched = {}
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                out = program(*args)
+        finally:
+            self.fetched = {}
+        mgr.gather_groups(mgr.num_groups)
+        return out
+
+    def fetch(self, index: int) -> torch.Tensor:
+        """Parameter ``layout.slots[index]`` (its leaf tensor, viewing its chunk on the device), with its
+        chunk gathered, fetched and pinned until :meth:`release`."""
+        if torch._C._current_graph_task_id() != -1:
+            raise RuntimeError("a chunked parameter was fetched during backward (recomputation): chunked "
+                               "parameter shards do not combine with activation checkpointing")
+        s = self.layout.slots[index]
+        self.manager.gather_for(s.chunk)
+        self.manager.access((PARAM, s.chunk))
+        s.state = TensorState.COMPUTE
+        return s.param
+
+    def release(self, index: int) -> None:
+        """Unpin the chunk of parameter ``layout.slots[index]`` (its forward use is over)."""
+        s = self.layout.slots[index]
+        self.manager.release((PARAM, s.chunk))
+        if s.state is TensorState.COMPUTE:
+            s.state = TensorState.HOLD_AFTER_FWD
 
     # ---------------------------------------------------------------- forward hooks
     def _pre_forward(self, module, args):
@@ -102,16 +150,17 @@ class ChunkedModel(nn.Module):
 
     # ---------------------------------------------------------------- saved tensors
     def _pack(self, t: torch.Tensor):
+        spec, local = (t._spec, t._local_tensor) if isinstance(t, DTensor) else (None, t)
         try:
-            found = self.manager.find_param_chunk(t)
-            ptr = t.untyped_storage().data_ptr()
+            found = self.manager.find_param_chunk(local)
+            ptr = local.untyped_storage().data_ptr()
         except (RuntimeError, NotImplementedError):
             return t
         if found is not None:
             chunk, offset = found
-            return _ParamRef(chunk.index, offset, t.shape, t.stride())
+            return _ParamRef(chunk.index, offset, local.shape, local.stride(), spec)
         if self.manager.device.type == "cpu" and ptr not in self._saved_storages:
-            self._saved_storages[ptr] = t.untyped_storage().nbytes()
+            self._saved_storages[ptr] = local.untyped_storage().nbytes()
             self.manager.nonmodel_bytes += self._saved_storages[ptr]
         return t
 
@@ -127,7 +176,8 @@ class ChunkedModel(nn.Module):
             self._ring.append(key)
             if len(self._ring) > BACKWARD_PINS:
                 self.manager.release(self._ring.pop(0))
-        return base.as_strided(saved.shape, saved.stride, base.storage_offset() + saved.offset)
+        view = base.as_strided(saved.shape, saved.stride, base.storage_offset() + saved.offset)
+        return view if saved.spec is None else DTensor(view, saved.spec, requires_grad=False)
 
     # ---------------------------------------------------------------- backward
     def _begin_backward(self):

@@ -88,8 +88,8 @@ def chunk_module(module: nn.Module, optimizer=None, device_budget: int | str = "
                  params: list[str] | None = None, device: str | torch.device | None = None,
                  compute_dtype: torch.dtype = torch.float32, chunk_elems: int | None = None,
                  max_grad_norm: float | None = None, loss_scale: float | None = None, process_group=None,
-                 warmup_arena_fraction: float | None = None,
-                 policy: str = "belady") -> tuple[ChunkedModel, ChunkedAdam]:
+                 warmup_arena_fraction: float | None = None, policy: str = "belady",
+                 average_grads: bool = True, module_hooks: bool = True) -> tuple[ChunkedModel, ChunkedAdam]:
     """Put the parameters of ``module`` named in ``params`` (default: all) into chunks, in place;
     return ``(chunked model, chunked optimizer)``. Other parameters and buffers are left alone
     (their device and optimizer are the caller's). Parameters must be plain tensors (not DTensor).
@@ -106,7 +106,10 @@ def chunk_module(module: nn.Module, optimizer=None, device_budget: int | str = "
     chunks may use in the warm-up iteration, before the non-model peak is known: by default 0.5 on
     CUDA, 1.0 on the simulated CPU device (where activations do not live in the arena).
     ``policy``: "belady" (default), "lru" (ablation) or "naive", the ZeRO-Offload-like reference
-    (see :class:`~.manager.ChunkManager`).
+    (see :class:`~.manager.ChunkManager`). ``average_grads``: the ZeRO reduce-scatter averages the
+    ranks' gradients (each rank's loss is of its own batch slice) or, False, sums them (each rank
+    holds a Partial share of the global loss's gradient). ``module_hooks``: fetch chunks in module
+    forward hooks; False when a program calls ``ChunkedModel.run``/``fetch``/``release`` instead.
     """
     device = _resolve_device(device)
     if process_group is None and dist.is_initialized() and dist.get_world_size() > 1:
@@ -130,7 +133,7 @@ def chunk_module(module: nn.Module, optimizer=None, device_budget: int | str = "
         chunk_elems = search_chunk_elems(numels, world_size, max_elems=hi, step=max(1024, hi // 2000))
     layout = build_layout(named, members, chunk_elems, world_size)
     manager = ChunkManager(layout, compute_dtype, device, budget, int(budget * warmup_arena_fraction),
-                           process_group, policy)
+                           process_group, policy, average_grads)
     with torch.no_grad():
         for _, p in named:
             p.data = p.data.to(compute_dtype)
@@ -139,7 +142,7 @@ def chunk_module(module: nn.Module, optimizer=None, device_budget: int | str = "
         loss_scale = None
     elif loss_scale is None:
         loss_scale = 2.0**16
-    chunked = ChunkedModel(module, manager, layout)
+    chunked = ChunkedModel(module, manager, layout, module_hooks)
     return chunked, ChunkedAdam(chunked, hyper, decoupled, max_grad_norm, loss_scale)
 
 

@@ -1,0 +1,142 @@
+"""Plans with chunked state and tensor parallelism: the DTensor program, parameter shards in chunks.
+
+``apply`` hands a plan here when its parameters' state is "chunked" and the plan is not pure data
+parallelism: its chunks are ZeRO-sharded over some mesh axes only (``offload.mesh_axes``, the
+data-parallel axes D; the others are tensor-parallel), or it redistributes activations. (Pure data
+parallelism without edges runs the model as written instead: chunked.py.)
+
+* The program is ``execute.build``'s, as for a plan without chunks: DTensors, the plan's
+  redistributions, its generated code. Each chunked parameter enters it as a
+  :class:`~cauto.runtime.chunk_fetch.ChunkedShard` and is fetched around the ops that read it
+  (chunk_fetch.py): the program's code shows ``fetch_chunked`` / ``release_chunked`` calls.
+* A chunked parameter is Replicate on every axis of D and placed as planned on the others (e.g.
+  Shard(0) on a tensor-parallel axis). Each rank materializes its shard as for a DTensor plan, then
+  the chunk manager (``chunk_module``) takes the local shards: ZeRO-sharded over the process group
+  of D (one mesh axis, or the whole mesh), paged between device and host within the plan's
+  ``offload.device_budget_bytes`` (capped on the simulated CPU device as chunked.py says).
+* Gradients: a fetched parameter's gradient comes back as a Partial(sum) share on D (a Replicate
+  gradient becomes an equal share per rank, a Shard one is gathered first) and as planned on the
+  other axes (chunk_fetch.py), so the chunk manager's reduce-scatter sums the ranks' shares
+  (``average_grads=False``) into the gradient of the global loss.
+* Every trainable parameter must be chunked (one optimizer, ``model.optimizer``, a ChunkedAdam
+  built from the ``optimizer`` factory's class and groups); no checkpoint regions; no host state.
+
+Loop and checkpoints as in chunked.py (``model.optimizer``; ``cauto.runtime.chunks.save_checkpoint``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from cauto.plan import PlanDocument
+from cauto.profiler.capture import Capture
+from cauto.runtime import execute
+from cauto.runtime.chunk_fetch import ChunkedShard
+from cauto.runtime.chunked import chunked_targets, device_budget_bytes
+from cauto.runtime.chunks import ChunkedAdam, ChunkedModel, chunk_module
+
+
+def _mismatch(message: str) -> Exception:
+    from cauto.runtime.apply import PlanMismatchError
+    return PlanMismatchError(message)
+
+
+def data_parallel_axes(plan: PlanDocument) -> list[int]:
+    """The mesh axes the plan ZeRO-shards chunks over (``offload.mesh_axes``; all axes if absent)."""
+    return sorted((plan.offload or {}).get("mesh_axes", range(len(plan.mesh["shape"]))))
+
+
+def is_pure_data_parallel(plan: PlanDocument) -> bool:
+    """Whether chunked.py runs the plan: chunks over the whole mesh and no redistribution edges."""
+    return data_parallel_axes(plan) == list(range(len(plan.mesh["shape"]))) and not plan.edges
+
+
+def check_chunked_program(plan: PlanDocument, model: nn.Module) -> None:
+    """Raise PlanMismatchError unless ``plan``'s chunked state can run in the DTensor program (module docstring)."""
+    host = [e["target"] for e in plan.params.values() if e.get("state") == "host"]
+    if host:
+        raise _mismatch(f"the plan keeps {len(host)} parameters on the host without chunks (first: {host[0]!r}); "
+                        "the runtime runs chunked state only: solve with --offload chunked or auto")
+    if plan.offload is None:
+        raise _mismatch("the plan marks parameters \"chunked\" but has no offload section; solve again with "
+                        "--offload chunked")
+    axes = data_parallel_axes(plan)
+    ndim = len(plan.mesh["shape"])
+    if not axes or any(not 0 <= a < ndim for a in axes) or (len(axes) > 1 and len(axes) != ndim):
+        raise _mismatch(f"the plan ZeRO-shards chunks over mesh axes {axes}; the runtime shards them over one mesh "
+                        f"axis or all {ndim}: solve again with --offload-axes naming one axis, or all")
+    chunked = set(chunked_targets(plan))
+    left = [n for n, p in model.named_parameters() if p.requires_grad and n not in chunked]
+    if left:
+        raise _mismatch(f"the plan chunks {len(chunked)} parameters but keeps {len(left)} trainable ones on the "
+                        f"device (first: {left[0]!r}); with tensor parallelism, chunked state runs only when every "
+                        "trainable parameter is chunked: solve again with --offload chunked")
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    if frozen:
+        raise _mismatch(f"the model has frozen parameters ({frozen[0]!r}); chunked plans train every parameter: "
+                        "solve with --offload none")
+    bad = [e["target"] for e in plan.params.values()
+           if e.get("state") == "chunked" and any(e["placements"][a] != "R" for a in axes)]
+    if bad:
+        raise _mismatch(f"chunked parameter {bad[0]!r} is not Replicate on the data-parallel mesh axes {axes}; the "
+                        "chunk manager ZeRO-shards it there itself: the plan is malformed, solve again")
+    if plan.checkpoint and plan.checkpoint.get("regions"):
+        raise _mismatch("the plan has checkpoint regions and chunked state; recomputation would fetch chunked "
+                        "parameters during backward, which the runtime does not do: solve with --checkpoint none")
+
+
+def _process_group(mesh: DeviceMesh, axes: list[int]):
+    if mesh.size() == 1:
+        return None
+    if len(axes) == mesh.ndim:
+        return dist.group.WORLD if mesh.ndim > 1 else mesh.get_group(0)
+    return mesh.get_group(axes[0])  # of size 1 when the axis is: then nothing is ZeRO-sharded
+
+
+def shard_into_chunks(model: nn.Module, plan: PlanDocument, mesh: DeviceMesh, device: torch.device,
+                      optimizer: Callable | None) -> tuple[ChunkedModel, ChunkedAdam, dict[str, ChunkedShard]]:
+    """Put the local shards of ``model``'s chunked DTensor parameters into chunks, in place (module
+    docstring); return (chunked model, optimizer, fqn -> ChunkedShard for every name of each)."""
+    check_chunked_program(plan, model)
+    axes = data_parallel_axes(plan)
+    targets = set(chunked_targets(plan))
+    chosen = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if n in targets}
+    spec: dict[int, tuple] = {}
+    local_of: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or id(p) not in chosen:
+                continue
+            if id(p) not in local_of:  # a tied parameter becomes one local shard under every name
+                local = nn.Parameter(p._local_tensor.detach().to(device).clone(), requires_grad=True)
+                local_of[id(p)] = local
+                spec[id(local)] = (tuple(p.placements), p.shape, p.stride())
+            module._parameters[name] = local_of[id(p)]
+    names = [n for n, p in model.named_parameters() if id(p) in spec]
+    group = _process_group(mesh, axes)
+    chunked, opt = chunk_module(model, optimizer, device_budget_bytes(plan, device), params=names, device=device,
+                                chunk_elems=int(plan.offload["chunk_elems"]), process_group=group,
+                                average_grads=False, module_hooks=False)
+    index = {id(s.param): i for i, s in enumerate(chunked.layout.slots)}
+    shards = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in spec:
+            placements, shape, stride = spec[id(p)]
+            shards[fqn] = ChunkedShard(chunked, index[id(p)], mesh, placements, frozenset(axes), shape, stride)
+    return chunked, opt, shards
+
+
+def build_program(cap: Capture, plan: PlanDocument, mesh: DeviceMesh, device: torch.device, propagation,
+                  shards: dict[str, ChunkedShard]) -> execute.ExecutableGraph:
+    """``execute.build`` with every chunked parameter's placeholder fetched around its uses."""
+    chunked = {node for node, (kind, fqn) in cap.placeholders.items() if kind == "param" and fqn in shards}
+    return execute.build(cap, plan, mesh, device, propagation, chunked=chunked)
+
+
+__all__ = ["build_program", "check_chunked_program", "data_parallel_axes", "is_pure_data_parallel",
+           "shard_into_chunks"]
