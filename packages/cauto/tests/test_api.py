@@ -34,6 +34,17 @@ def test_second_plan_comes_from_the_cache_without_profiling(tmp_path, monkeypatc
         plan_for(_factory(), (2,), cache=cache, memory_budget="1GiB")
 
 
+def test_offload_axes_reach_the_solver_and_key_the_cache(tmp_path):
+    """offload_axes=(0,) on a 2 x 2 mesh: chunks ZeRO-sharded over axis 0 only; another key than the default."""
+    cache = PlanCache(tmp_path)
+    plan = plan_for(_factory(), (2, 2), cache=cache, offload="chunked", offload_axes=(0,))
+    assert plan["offload"]["mesh_axes"] == [0]
+    assert {e["state"] for e in plan["params"].values()} == {"chunked"}
+    everywhere = plan_for(_factory(), (2, 2), cache=cache, offload="chunked", offload_axes=(0, 1))
+    assert everywhere["offload"]["mesh_axes"] == [0, 1]
+    assert len(list(tmp_path.glob("plan-*.json"))) == 2
+
+
 def test_a_corrupt_cache_entry_is_solved_again(tmp_path):
     cache = PlanCache(tmp_path)
     plan_for(_factory(), (2,), cache=cache)

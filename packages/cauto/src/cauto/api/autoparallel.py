@@ -66,14 +66,16 @@ def _budget(memory_budget: int | str | None) -> int | None:
 def plan_for(fn: Callable, mesh_shape: Sequence[int], *, axis_names: Sequence[str] | None = None,
              hardware: str | HardwareSpec = "cpu-gloo", memory_budget: int | str | None = None,
              optimizer: str = "adamw", device: str = "cpu", checkpoint: str = "none", offload: str = "none",
-             cache: PlanCache | None = None, time_limit_s: float = 60.0, verbose: bool = False,
+             offload_axes: Sequence[int] | None = None, cache: PlanCache | None = None, time_limit_s: float = 60.0, verbose: bool = False,
              progress: bool | Callable[[str, int, int], None] = False) -> dict:
     """Profile ``fn`` and solve a plan for ``mesh_shape`` (or take it from ``cache``); return the plan dict.
 
     ``checkpoint``: "none", or activation checkpointing solved jointly with the sharding ("auto",
     "rotor", "chen"; see cauto.solver.plan). ``offload``: "none"; "auto" (model state in chunks,
     moved between device and host, only where no device-only plan fits the budget); "chunked"
-    (always). ``progress``: module docstring."""
+    (always). ``offload_axes``: the mesh axes the chunks are ZeRO-sharded over, the others left to
+    tensor parallelism (default: the solver tries every axis and each axis alone, fastest wins).
+    ``progress``: module docstring."""
     cluster = cluster_for_mesh(hardware, tuple(mesh_shape), tuple(axis_names) if axis_names else None)
     budget = _budget(memory_budget)
     cap = capture(fn)
@@ -81,6 +83,9 @@ def plan_for(fn: Callable, mesh_shape: Sequence[int], *, axis_names: Sequence[st
                "mesh": list(mesh_shape), "axis_names": list(cluster.axis_names)}
     if offload != "none":  # keys of plans cached before offload existed stay valid
         options["offload"] = offload
+    if offload_axes is not None:
+        options["offload_axes"] = list(offload_axes)
+    axes = tuple(offload_axes) if offload_axes is not None else None
     key = PlanCache.key(cap.fingerprint(), cluster.to_dict(), options)
     if cache is not None and (cached := cache.get(key)) is not None:
         if verbose:
@@ -94,12 +99,12 @@ def plan_for(fn: Callable, mesh_shape: Sequence[int], *, axis_names: Sequence[st
             graph = profile(fn, optimizer=optimizer, device=device, cap=cap, progress=bars).to_graph()
         with plan_bars(time_limit_s) as bars:
             plan = solve_plan(graph, cluster, memory_budget=budget, checkpoint=checkpoint, time_limit_s=time_limit_s,
-                              progress=bars, offload=offload)
+                              progress=bars, offload=offload, offload_axes=axes)
     else:
         report = progress or None
         graph = profile(fn, optimizer=optimizer, device=device, cap=cap, progress=report).to_graph()
         plan = solve_plan(graph, cluster, memory_budget=budget, checkpoint=checkpoint, time_limit_s=time_limit_s,
-                          progress=report, offload=offload)
+                          progress=report, offload=offload, offload_axes=axes)
     if verbose:
         print(f"cauto: profiled and solved in {time.perf_counter() - start:.1f} s")
     if cache is not None:
@@ -126,6 +131,7 @@ def _share_plan(plan: dict | None) -> dict:
 
 def autoparallelize(model_fn: Callable[[], torch.nn.Module], example_inputs, mesh: DeviceMesh | Sequence[int] | str,
                     *, memory_budget: int | str | None = None, checkpoint: str = "none", offload: str = "none",
+                    offload_axes: Sequence[int] | None = None,
                     hardware: str | HardwareSpec | None = None, axis_names: Sequence[str] | None = None,
                     optimizer: str = "adamw", cache_dir: str | None = None, use_cache: bool = True,
                     state_dict: dict | None = None, seed: int | None = None, verbose: bool = False,
@@ -140,8 +146,8 @@ def autoparallelize(model_fn: Callable[[], torch.nn.Module], example_inputs, mes
     ("cpu-gloo", "a100", "h100", "h200") or a calibrated spec file; default by the mesh's device.
     The plan and its predictions are ``model.plan`` and ``model.predictions``. ``progress=True``
     shows profiling and planning bars on rank 0's stderr (default: quiet; module docstring).
-    ``offload``: "none", "auto" or "chunked" (``plan_for``). A plan with chunked state runs under the
-    chunk manager, which owns the optimizer: pass ``make_optimizer`` (a factory ``module -> torch
+    ``offload``: "none", "auto" or "chunked", and ``offload_axes`` (``plan_for``). A plan with chunked
+    state runs under the chunk manager (beside tensor parallelism where the plan has it), which owns the optimizer: pass ``make_optimizer`` (a factory ``module -> torch
     optimizer``; its class, Adam or AdamW, and parameter groups are read) and train through
     ``model.optimizer``, which is also set (the factory's optimizer) for a device-only plan.
     """
@@ -159,7 +165,8 @@ def autoparallelize(model_fn: Callable[[], torch.nn.Module], example_inputs, mes
     if not dist.is_initialized() or dist.get_rank() == 0:
         cache = PlanCache(cache_dir) if use_cache else None
         plan = plan_for(fn, shape, axis_names=names, hardware=hardware, memory_budget=memory_budget,
-                        optimizer=optimizer, device=device, checkpoint=checkpoint, offload=offload, cache=cache,
+                        optimizer=optimizer, device=device, checkpoint=checkpoint, offload=offload,
+                        offload_axes=offload_axes, cache=cache,
                         verbose=verbose, progress=progress)
     plan = _share_plan(plan)
     return apply(fn, plan, mesh, state_dict=state_dict, seed=seed, optimizer=make_optimizer)
