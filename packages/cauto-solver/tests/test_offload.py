@@ -100,7 +100,10 @@ def test_traffic_model():
     c = cluster_for_mesh("cpu-gloo", (2,))
     m = OffloadModel(c, 1 << 20, 1024, 1024)
     p = 4 * 4 * 1024  # four chunks of fp32 params
-    assert m.traffic_bytes(4, 10 << 20) == p // 2  # everything fits: only the other rank's gathered chunks
+    # everything fits: the other rank's gathered chunks arrive, the own chunk leaves for the gather and
+    # its reduced gradient shard arrives for the device-side Adam (gradient chunks are fp32 too: G = P)
+    assert m.traffic_bytes(4, 10 << 20) == p // 2 + (p + p) // 2
+    assert OffloadModel(cluster_for_mesh("cpu-gloo", (1,)), 1 << 20, 1024, 1024).traffic_bytes(4, 10 << 20) == 0
     tight = m.traffic_bytes(4, m.working_set_bytes)  # no spare room: every chunk comes back for backward
     assert tight == p + p // 2 + p
     assert m.traffic_bytes(4, m.working_set_bytes + p) == p + p // 2
@@ -204,6 +207,11 @@ def test_chunks_hold_local_shards(mesh22, mixed):
 def test_pure_data_parallelism_is_still_the_default_of_solve(mesh22, half_on_device):
     with pytest.raises(InfeasibleBudgetError):  # attention cannot split the batch over both axes: no edge-free plan
         solve(GRAPH, mesh22, memory_budget=half_on_device, offload=True)
+    # with memory to spare, the error says that the missing plan is an edge-free one, not memory
+    roomy = solve(GRAPH, mesh22)["predictions"]["peak_bytes"] * 4
+    with pytest.raises(InfeasibleBudgetError, match="redistributes an activation .*offload-axes") as info:
+        solve(GRAPH, mesh22, memory_budget=roomy, offload=True)
+    assert info.value.needed_bytes <= roomy
 
 
 @pytest.mark.parametrize("graph", [GRAPH, synthetic.gpt(layers=2)], ids=["profiled", "synthetic"])

@@ -8,7 +8,8 @@ non-zero: a failing rank never leaves the others hanging past the timeout.
 The optimizer is the one ``apply`` builds (``model.optimizer``): torch's AdamW for a plan that keeps
 state on the device, the chunk manager's ChunkedAdam (AdamW arithmetic) for a plan with chunked
 state. ``--verify`` on a chunked plan reports the chunk manager's predicted vs measured host link
-bytes, arena and non-model peak instead of collectives.
+bytes, arena, non-model peak and chunks in use, and the step's collectives per op (the JSON goes
+to ``--measured-out`` as for other plans).
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
             report = chunk_report(model, inputs)
             if rank == 0:
                 print(format_chunk_report(report, rank), flush=True)
+                measured_path = Path(args.measured_out or Path(args.plan).with_suffix(".measured.json"))
+                measured_path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+                print(f"measured figures written to {measured_path}", flush=True)
         elif args.verify:
             report = verify_step(model, inputs, opt)
             device = "cuda" if dist.get_backend() == "nccl" else "cpu"

@@ -11,13 +11,18 @@ class InfeasibleBudgetError(SolverError):
     """No plan fits the memory budget.
 
     ``needed_bytes`` is the least per-device peak any plan reaches (the best plan's need) and
-    ``top_tensors`` lists (name, bytes per device) of what dominates that plan's peak.
+    ``top_tensors`` lists (name, bytes per device) of what dominates that plan's peak. ``reason``
+    replaces the message where memory is not what fails.
     """
 
-    def __init__(self, budget_bytes: int, needed_bytes: int, top_tensors: list[tuple[str, int]]):
+    def __init__(self, budget_bytes: int, needed_bytes: int, top_tensors: list[tuple[str, int]],
+                 reason: str | None = None):
         self.budget_bytes = budget_bytes
         self.needed_bytes = needed_bytes
         self.top_tensors = top_tensors
+        if reason is not None:  # memory is not what fails (e.g. the plan the runtime needs does not exist)
+            super().__init__(reason)
+            return
         digits = _digits(budget_bytes, needed_bytes)
         tops = ", ".join(f"{name} {_mib(b, digits)}" for name, b in top_tensors[:5])
         dominated = f"; the peak is dominated by {tops}" if tops else ""

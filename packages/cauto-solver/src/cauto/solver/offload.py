@@ -52,8 +52,12 @@ Host link traffic per step and device (``traffic_bytes``; W: the group size; P: 
 parameter chunk, which each rank uses after the all-gather; G: their fp32 gradient chunks; O: the
 Adam moments of the chunks this rank owns, 8 bytes · elements / W; A: the arena; S = A − working set):
 
-* A ≥ P + G + O: everything stays on the device; only the other ranks' chunks, which the all-gather
-  brings through host memory, arrive: ``P · (W − 1) / W``.
+* A ≥ P + G + O: everything stays on the device; the other ranks' chunks, which the all-gather
+  brings through host memory, arrive, and with W > 1 this rank's own parameter chunk leaves for the
+  all-gather (updated on the device) and its reduce-scattered gradient shard (which the collective
+  leaves on the host) arrives for the device-side Adam: ``P · (W − 1) / W + (P + G) / W`` (0 when
+  W = 1). (Measured on 4 gloo ranks: 0.66 MiB where ``P · (W − 1) / W`` alone predicted 0.40;
+  ``tools/bench/bench_chunks_mesh.py``.)
 * otherwise every parameter chunk arrives once (after the host-side Adam update or the gather),
   this rank's reduce-scattered gradient shard leaves once, and the parameter chunks the arena
   cannot keep from forward to backward arrive again: ``P + G / W + max(0, P − S)``.
@@ -248,7 +252,7 @@ class OffloadModel:
         g = num_chunks * self.chunk_elems * GRAD_ITEMSIZE
         o = num_chunks // w * self.chunk_elems * ADAM_BYTES_PER_ELEM
         if arena_bytes >= p + g + o:
-            return p * (w - 1) // w
+            return p * (w - 1) // w + (p + g) // w if w > 1 else 0
         spare = max(0, arena_bytes - self.working_set_bytes)
         return p + g // w + max(0, p - spare)
 
@@ -405,8 +409,9 @@ class ChunkedMemoryModel(MemoryModel):
         return super()._optimizer_extra(on_device, chosen)
 
 
-def _has_edge(graph: GraphDocument, nodes: list[GraphNode], chosen: dict[str, Strategy]) -> bool:
-    """Whether some op input needs a placement its producer does not give (a redistribution edge)."""
+def first_edge(graph: GraphDocument, nodes: list[GraphNode], chosen: dict[str, Strategy]) -> tuple[str, str] | None:
+    """(producer, consumer) of the first op input that needs a placement its producer does not give
+    (a redistribution edge), or None."""
     by_id = graph.node_map()
     for n in nodes:
         for k, ref in enumerate(n.inputs):
@@ -414,8 +419,12 @@ def _has_edge(graph: GraphDocument, nodes: list[GraphNode], chosen: dict[str, St
             src = by_id[src_id]
             have = chosen[src.tied_to].outputs[0] if src.kind == "param" and src.tied_to else chosen[src_id].outputs[o]
             if have != chosen[n.id].inputs[k]:
-                return True
-    return False
+                return ref, n.id
+    return None
+
+
+def _has_edge(graph: GraphDocument, nodes: list[GraphNode], chosen: dict[str, Strategy]) -> bool:
+    return first_edge(graph, nodes, chosen) is not None
 
 
 def ilp_budget(budget_bytes: int, offload: OffloadModel | None) -> int:

@@ -35,7 +35,7 @@ from cauto.solver.errors import InfeasibleBudgetError, SolverError
 from cauto.solver.groups import Problem, build_problem, enumerate_strategies, fanouts, tensor_requires_grad
 from cauto.solver.ilp import solve_ilp
 from cauto.solver.memory import MemoryModel
-from cauto.solver.offload import OffloadModel, ilp_budget
+from cauto.solver.offload import OffloadModel, first_edge, ilp_budget
 from cauto.solver.progress import ProgressFn
 from cauto.solver.reshard import Collective, backward_target, is_partial, reshard
 from cauto.solver.strategies import Placements, Strategy
@@ -207,6 +207,12 @@ def solve(graph: GraphDocument | Mapping, cluster: ClusterSpec, *, memory_budget
         needed = predicted_peak_bytes(memory, nodes, chosen)
         if least_peak and least.feasible and needed <= budget:
             result = least  # the least-memory plan fits where the fastest-first search overshot
+        elif chunks is not None and chunks.pure and needed <= budget and (edge := first_edge(g, nodes, chosen)):
+            raise InfeasibleBudgetError(budget, needed, [], reason=(
+                f"no plan with chunked state over every mesh axis exists for this graph: with it the model runs as "
+                f"written on each rank's batch slice, but every plan the solver finds redistributes an activation "
+                f"(first: {edge[0]} -> {edge[1]}); chunk over one mesh axis instead (offload_axes / --offload-axes), "
+                f"the others tensor-parallel"))
         else:
             raise InfeasibleBudgetError(budget, needed, _top_tensors(g, chosen, memory))
     if progress is not None:
