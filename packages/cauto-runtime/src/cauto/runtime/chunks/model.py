@@ -72,25 +72,17 @@ class ChunkedModel(nn.Module):
 
     def forward(self, *args, **kwargs):
         """Run the wrapped module (floating inputs cast to the compute dtype); return its output."""
-        mgr = self.manager
-        if self.new_iteration:
-            mgr.iteration_start()
-            self.new_iteration = False
-        mgr.begin_forward()
-        self._saved_storages.clear()
-        mgr.nonmodel_bytes = 0
-        if mgr.compute_dtype != torch.float32:
-            cast = lambda x: x.to(mgr.compute_dtype) if torch.is_tensor(x) and x.is_floating_point() else x  # noqa: E731
+        dtype = self.manager.compute_dtype
+        if dtype != torch.float32:
+            cast = lambda x: x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x  # noqa: E731
             args = tuple(cast(a) for a in args)
             kwargs = {k: cast(v) for k, v in kwargs.items()}
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            out = self.module(*args, **kwargs)
-        mgr.gather_groups(mgr.num_groups)  # same all-gathers on every rank, used or not
-        return out
+        return self.run(self.module, *args, **kwargs)
 
     # ---------------------------------------------------------------- programs (module_hooks=False)
-    def run(self, program, *args):
-        """Run ``program(*args)`` as one forward of the chunked parameters (it calls fetch/release)."""
+    def run(self, program, *args, **kwargs):
+        """Run ``program(*args, **kwargs)`` as one forward of the chunked parameters: the module (its
+        hooks fetch chunks) or a program that calls fetch/release."""
         mgr = self.manager
         if self.new_iteration:
             mgr.iteration_start()
@@ -101,10 +93,10 @@ class ChunkedModel(nn.Module):
         self.fetched = {}
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                out = program(*args)
+                out = program(*args, **kwargs)
         finally:
             self.fetched = {}
-        mgr.gather_groups(mgr.num_groups)
+        mgr.gather_groups(mgr.num_groups)  # same all-gathers on every rank, used or not
         return out
 
     def fetch(self, index: int) -> torch.Tensor:
