@@ -78,6 +78,29 @@ def _apply_2d(plan: dict):
     return apply(lambda: zoo.ZOO["gpt"](**GPT), plan, make_mesh((2, 2), ["dp", "tp"]), captured=zoo_capture("gpt", GPT))
 
 
+def _assert_pinned_around_every_use(graph):
+    """Every fetch is released once, after every op that reads the fetched DTensor or a view of it, and
+    the release of one fetch is the first release of that parameter after it (pins never overlap)."""
+    from cauto.runtime.chunk_fetch import _may_alias, fetch_chunked, release_chunked
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    fetches = [n for n in graph.nodes if n.target is fetch_chunked]
+    releases = [n for n in graph.nodes if n.target is release_chunked]
+    assert len(fetches) == len(releases) > 0
+    for f in fetches:
+        aliases, stack = {f}, [f]
+        while stack:
+            for u in stack.pop().users:
+                if u not in aliases and _may_alias(u):
+                    aliases.add(u)
+                    stack.append(u)
+        readers = [u for a in aliases for u in a.users if u.target is not release_chunked]
+        mine = [r for r in releases if r.args[0] is f.args[0] and order[r] > order[f]]
+        release = min(mine, key=order.__getitem__)
+        assert readers and all(order[u] < order[release] for u in readers), f.name
+        later = [g for g in fetches if g.args[0] is f.args[0] and order[g] > order[f]]
+        assert not later or order[release] < min(order[g] for g in later), f.name
+
+
 def test_tensor_parallel_chunked_plan_runs_the_dtensor_program_or_says_why_not():
     from cauto.runtime.apply import ParallelModule, PlanMismatchError
     fake_world(4)
@@ -89,6 +112,13 @@ def test_tensor_parallel_chunked_plan_runs_the_dtensor_program_or_says_why_not()
     assert shards["blocks.0.fc.weight"] == (64, 32) and shards["blocks.0.attn.proj.weight"] == (32, 16)  # TP shards
     code = m.generated_code
     assert code.count("fetch_chunked(") == code.count("release_chunked(") > 0 and "ZeRO over mesh axes [0]" in code
+    _assert_pinned_around_every_use(m.executable.module.graph)
+    # stored split on tp, used whole: each fetch is redistributed (an alias, maybe) before its op reads it
+    gathered = plan_for("gpt", GPT, (2, 2), ["dp", "tp"], inputs="S(0),R", storage="R,S(0)",
+                        offload={**OFFLOAD, "chunk_elems": 4096, "mesh_axes": [0]})
+    program = _apply_2d(gathered).executable.module.graph
+    assert any(n.target.__name__ == "redistribute_fetched" for n in program.nodes if n.op == "call_function")
+    _assert_pinned_around_every_use(program)
     assert not [p for p in m.parameters() if p.requires_grad and type(p).__name__ == "DTensor"]
     on_dp = copy.deepcopy(good)
     on_dp["params"]["p_m_blocks_0_fc_weight"]["placements"] = ["S(0)", "S(0)"]
