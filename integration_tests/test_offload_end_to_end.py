@@ -140,3 +140,7 @@ def test_cli_offload_plan_runs_under_torchrun(cauto, tmp_path):
     assert "cauto verify (chunked state)" in res.stdout
     counts = re.findall(r"^\s+(all_gather|all_reduce|reduce_scatter)\s+predicted\s+(\d+)\s+executed\s+(\d+)", res.stdout, re.M)
     assert counts and all(p == e for _, p, e in counts), res.stdout
+    # the report lands beside the plan, and `cauto explain` shows it
+    assert plan_path.with_suffix(".measured.json").is_file()
+    res = cauto("explain", str(plan_path))
+    assert res.returncode == 0 and "host link per step: predicted" in res.stdout and "DIFF" not in res.stdout, res.stdout

@@ -25,13 +25,32 @@ def measured_for(plan_path: str | Path) -> dict | None:
         return None
     try:
         report = json.loads(path.read_text(encoding="utf-8"))
-        return report if isinstance(report, dict) and "peak_bytes" in report else None
+        return report if isinstance(report, dict) and ("peak_bytes" in report or "moved_bytes" in report) else None
     except (json.JSONDecodeError, UnicodeDecodeError):
         return None
 
 
+_CHUNK_FIGURES = {"moved_bytes": "host link per step", "arena_bytes": "chunk arena",
+                  "nonmodel_peak_bytes": "non-model peak", "working_set_bytes": "chunks in use at once"}
+
+
+def _chunk_lines(report: dict) -> list[str]:
+    """Predicted vs measured of a plan with chunked state (the chunk manager's report)."""
+    lines = ["predicted vs measured (from cauto run --verify, chunked state):"]
+    for key, name in _CHUNK_FIGURES.items():
+        r = report[key]
+        lines.append(f"  {name}: predicted {r['predicted'] / 2**20:.3f} MiB, measured {r['measured'] / 2**20:.3f} MiB")
+    coll = report.get("collectives", {})
+    for op in sorted(set(coll.get("predicted", {})) | set(coll.get("executed", {}))):
+        p, e = coll["predicted"].get(op, 0), coll["executed"].get(op, 0)
+        lines.append(f"  {op} per step: predicted {p} executed {e} {'ok' if p == e else 'DIFF'}")
+    return lines
+
+
 def measured_lines(report: dict) -> list[str]:
     """Predicted vs measured, as `cauto run --verify` found them."""
+    if "peak_bytes" not in report:
+        return _chunk_lines(report)
     pk = report["peak_bytes"]
     per_rank = pk.get("measured_per_rank") or [pk["measured"]]
     lines = ["predicted vs measured (from cauto run --verify):",
@@ -66,7 +85,7 @@ def write_html(plan_path: str | Path, graph_path: str | Path | None, html_path: 
     measured = {line.split(":")[0].strip(): line.split(":", 1)[1].strip()
                 for line in measured_lines(report)[1:] if ":" in line} if report else None
     per_rank = None
-    if report:
+    if report and "peak_bytes" in report:
         peak = report["peak_bytes"]
         per_rank = [int(v) for v in (peak.get("measured_per_rank") or [peak["measured"]])]
     device, note = device_view(plan, graph)
