@@ -92,22 +92,28 @@ def test_chunked_plan_trains_on_two_ranks_like_one_process(plans, tmp_path):
             assert r["collectives"]["executed"] == r["collectives"]["predicted"], r["collectives"]
 
 
-def test_tensor_parallel_plan_with_chunked_data_parallel_state_trains_on_four_ranks(tmp_path):
+#: (model, kwargs, budget): GPT (tied head) and Llama (grouped-query attention, RoPE buffers, untied head)
+MIXED = {"gpt": ("gpt", CASES["gpt"], BUDGET),
+         "llama": ("llama", dict(batch=4, seq=32, dim=64, layers=2), int(1.3 * 2**20))}
+
+
+@pytest.mark.parametrize("case", list(MIXED))
+def test_tensor_parallel_plan_with_chunked_data_parallel_state_trains_on_four_ranks(case, tmp_path):
     """Solver -> a 2 x 2 (dp, tp) plan whose chunks are ZeRO-sharded over dp only and whose parameters
     are tensor-parallel on tp -> 4 gloo ranks running the DTensor program with the parameter shards in
     chunks (cauto-runtime chunked_program.py): losses and parameters equal one process, and the chunk
     manager's figures stay within the plan's, as for pure data parallelism above."""
-    kwargs = CASES["gpt"]
-    graph = profile(functools.partial(zoo.ZOO["gpt"], **kwargs)).to_graph()
-    p = plan(graph, cluster_for_mesh("cpu-gloo", (2, 2)), memory_budget=BUDGET, offload="chunked", offload_axes=(0,))
+    model, kwargs, budget = MIXED[case]
+    graph = profile(functools.partial(zoo.ZOO[model], **kwargs)).to_graph()
+    p = plan(graph, cluster_for_mesh("cpu-gloo", (2, 2)), memory_budget=budget, offload="chunked", offload_axes=(0,))
     off = p["offload"]
     assert off["mesh_axes"] == [0] and {e["state"] for e in p["params"].values()} == {"chunked"}
     assert all(e["placements"][0] == "R" for e in p["params"].values())
     assert any(e["placements"][1] != "R" for e in p["params"].values()), "the plan splits no parameter on tp"
-    job = dict(name="gpt", model="gpt", kwargs=kwargs, mesh=[2, 2], axis_names=p["mesh"]["axis_names"],
+    job = dict(name=case, model=model, kwargs=kwargs, mesh=[2, 2], axis_names=p["mesh"]["axis_names"],
                check="chunked", program=True, steps=STEPS, lr=LR, plan=p)
     for rank in _run_ranks()(4, [job], tmp_path, timeout_s=400):
-        r = rank["gpt"]
+        r = rank[case]
         assert "error" not in r, r.get("error")
         for got, want in zip(r["losses"], r["ref_losses"]):
             assert abs(got - want) <= TOL * max(1.0, abs(want)), r
