@@ -81,19 +81,13 @@ def _apply_2d(plan: dict):
 def _assert_pinned_around_every_use(graph):
     """Every fetch is released once, after every op that reads the fetched DTensor or a view of it, and
     the release of one fetch is the first release of that parameter after it (pins never overlap)."""
-    from cauto.runtime.chunk_fetch import _may_alias, fetch_chunked, release_chunked
+    from cauto.runtime.chunk_fetch import aliases_of, fetch_chunked, release_chunked
     order = {n: i for i, n in enumerate(graph.nodes)}
     fetches = [n for n in graph.nodes if n.target is fetch_chunked]
     releases = [n for n in graph.nodes if n.target is release_chunked]
     assert len(fetches) == len(releases) > 0
     for f in fetches:
-        aliases, stack = {f}, [f]
-        while stack:
-            for u in stack.pop().users:
-                if u not in aliases and _may_alias(u):
-                    aliases.add(u)
-                    stack.append(u)
-        readers = [u for a in aliases for u in a.users if u.target is not release_chunked]
+        readers = [u for a in aliases_of(f) for u in a.users if u.target is not release_chunked]
         mine = [r for r in releases if r.args[0] is f.args[0] and order[r] > order[f]]
         release = min(mine, key=order.__getitem__)
         assert readers and all(order[u] < order[release] for u in readers), f.name

@@ -6,11 +6,11 @@ on the host, or not even on this rank (ZeRO), until an op needs it. ``insert_fet
 program so that
 
 * before each op that uses the parameter, ``fetch_chunked(handle)`` gathers and fetches its chunk,
-  pins it and returns the parameter as a DTensor viewing the chunk (later uses in the same forward
-  send their gradient to the first use's, so that it is converted once, summed) (its gradient comes back as the
+  pins it and returns the parameter as a DTensor viewing the chunk. Its gradient comes back as the
   plan's placement on the tensor-parallel axes and as a Partial(sum) share on the data-parallel
-  ones, for the chunk manager's reduce-scatter: a Shard gradient there is gathered, a Replicate one
-  split evenly into shares);
+  ones, for the chunk manager's reduce-scatter (a Shard gradient there is gathered, a Replicate one
+  split evenly into shares); later uses in the same forward send their gradient to the first use's,
+  so that the sum is converted once;
 * after the last op that reads that DTensor or anything that may alias it (views, ``getitem``,
   redistributions, which may return a local view), ``release_chunked(handle, last)`` unpins it;
 * a redistribution of the stored parameter to the placement its op wants (``execute.build`` puts
@@ -145,6 +145,17 @@ def _may_alias(node: torch.fx.Node) -> bool:
     return any(r.alias_info is not None for r in schema.returns)
 
 
+def aliases_of(node: torch.fx.Node) -> set[torch.fx.Node]:
+    """``node`` and every value downstream of it that may alias it (through views, getitem, redistributions)."""
+    aliases, stack = {node}, [node]
+    while stack:
+        for u in stack.pop().users:
+            if u not in aliases and _may_alias(u):
+                aliases.add(u)
+                stack.append(u)
+    return aliases
+
+
 def _order(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:
     return {n: i for i, n in enumerate(graph.nodes)}
 
@@ -168,14 +179,8 @@ def insert_fetches(graph: torch.fx.Graph, chunked: set[str]) -> int:
             if user.target is ops.redistribute:
                 value, mesh, placements = user.args
                 user.target, user.args = redistribute_fetched, (value, mesh, placements, ph)
-            aliases, stack = {fetch}, [fetch]
-            while stack:
-                for u in stack.pop().users:
-                    if u not in aliases and _may_alias(u):
-                        aliases.add(u)
-                        stack.append(u)
             order = _order(graph)
-            last = max((u for a in aliases for u in a.users), key=order.__getitem__)
+            last = max((u for a in aliases_of(fetch) for u in a.users), key=order.__getitem__)
             ctx = graph.inserting_before(last) if last.op == "output" else graph.inserting_after(last)
             with ctx:
                 release = graph.call_function(release_chunked, (ph, last if last.op != "output" else None))
@@ -185,4 +190,4 @@ def insert_fetches(graph: torch.fx.Graph, chunked: set[str]) -> int:
     return fetches
 
 
-__all__ = ["ChunkedShard", "fetch_chunked", "insert_fetches", "redistribute_fetched", "release_chunked"]
+__all__ = ["ChunkedShard", "aliases_of", "fetch_chunked", "insert_fetches", "redistribute_fetched", "release_chunked"]

@@ -72,12 +72,21 @@ def chunked_targets(plan: PlanDocument) -> list[str]:
     return [e["target"] for e in plan.params.values() if e.get("state", "device") == "chunked"]
 
 
-def check_chunked(cap: Capture, plan: PlanDocument, model: nn.Module) -> None:
-    """Raise PlanMismatchError unless ``plan`` is pure data parallelism with every parameter chunked."""
+def refuse_host_state_and_frozen(plan: PlanDocument, model: nn.Module) -> None:
+    """Raise PlanMismatchError for what no chunked plan runs: host state without chunks, frozen parameters."""
     host = [e["target"] for e in plan.params.values() if e.get("state") == "host"]
     if host:
         raise _mismatch(f"the plan keeps {len(host)} parameters on the host without chunks (first: {host[0]!r}); "
                         "the runtime runs chunked state only: solve with --offload chunked or auto")
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    if frozen:
+        raise _mismatch(f"the model has frozen parameters ({frozen[0]!r}); chunked plans train every parameter: "
+                        "solve with --offload none")
+
+
+def check_chunked(cap: Capture, plan: PlanDocument, model: nn.Module) -> None:
+    """Raise PlanMismatchError unless ``plan`` is pure data parallelism with every parameter chunked."""
+    refuse_host_state_and_frozen(plan, model)
     chunked = set(chunked_targets(plan))
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     left = [n for n in trainable if n not in chunked]
@@ -91,10 +100,6 @@ def check_chunked(cap: Capture, plan: PlanDocument, model: nn.Module) -> None:
     if bad:
         raise _mismatch(f"chunked parameter {bad[0]!r} is not Replicate on every mesh axis; chunked state is "
                         "ZeRO-sharded by the chunk manager itself: the plan is malformed, solve again")
-    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
-    if frozen:
-        raise _mismatch(f"the model has frozen parameters ({frozen[0]!r}); chunked plans train every parameter: "
-                        "solve with --offload none")
     if plan.edges:
         e = plan.edges[0]
         raise _mismatch(f"the plan redistributes activations ({len(plan.edges)} edges, first {e['src']} -> {e['dst']}); "

@@ -37,13 +37,13 @@ from cauto.plan import PlanDocument
 from cauto.profiler.capture import Capture
 from cauto.runtime import execute
 from cauto.runtime.chunk_fetch import ChunkedShard
-from cauto.runtime.chunked import chunked_targets, device_budget_bytes
+from cauto.runtime.chunked import (
+    _mismatch,
+    chunked_targets,
+    device_budget_bytes,
+    refuse_host_state_and_frozen,
+)
 from cauto.runtime.chunks import ChunkedAdam, ChunkedModel, chunk_module
-
-
-def _mismatch(message: str) -> Exception:
-    from cauto.runtime.apply import PlanMismatchError
-    return PlanMismatchError(message)
 
 
 def data_parallel_axes(plan: PlanDocument) -> list[int]:
@@ -58,10 +58,7 @@ def is_pure_data_parallel(plan: PlanDocument) -> bool:
 
 def check_chunked_program(plan: PlanDocument, model: nn.Module) -> None:
     """Raise PlanMismatchError unless ``plan``'s chunked state can run in the DTensor program (module docstring)."""
-    host = [e["target"] for e in plan.params.values() if e.get("state") == "host"]
-    if host:
-        raise _mismatch(f"the plan keeps {len(host)} parameters on the host without chunks (first: {host[0]!r}); "
-                        "the runtime runs chunked state only: solve with --offload chunked or auto")
+    refuse_host_state_and_frozen(plan, model)
     if plan.offload is None:
         raise _mismatch("the plan marks parameters \"chunked\" but has no offload section; solve again with "
                         "--offload chunked")
@@ -76,10 +73,6 @@ def check_chunked_program(plan: PlanDocument, model: nn.Module) -> None:
         raise _mismatch(f"the plan chunks {len(chunked)} parameters but keeps {len(left)} trainable ones on the "
                         f"device (first: {left[0]!r}); with tensor parallelism, chunked state runs only when every "
                         "trainable parameter is chunked: solve again with --offload chunked")
-    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
-    if frozen:
-        raise _mismatch(f"the model has frozen parameters ({frozen[0]!r}); chunked plans train every parameter: "
-                        "solve with --offload none")
     bad = [e["target"] for e in plan.params.values()
            if e.get("state") == "chunked" and any(e["placements"][a] != "R" for a in axes)]
     if bad:
