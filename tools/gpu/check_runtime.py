@@ -21,6 +21,28 @@ import torch
 import torch.distributed as dist
 
 
+def _compiled_step_s(module, args_, kwargs) -> str:
+    """Median step time of ``torch.compile(module)`` (3 timed steps after 2 warm-up), or why it failed."""
+    from cauto.profiler.capture import loss_of
+
+    try:
+        compiled = torch.compile(module)
+        opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
+        times = []
+        for step in range(5):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            loss_of(compiled(*args_, **kwargs)).backward()
+            opt.step()
+            opt.zero_grad()
+            torch.cuda.synchronize()
+            if step >= 2:
+                times.append(time.perf_counter() - t)
+        return f"{sorted(times)[1]:.4f}"
+    except Exception as exc:  # report, don't stop: one lent-machine run shows everything
+        return f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dim", type=int, default=1024)
@@ -103,6 +125,8 @@ def main() -> None:
     print(f"| max_memory_allocated of a step (MiB) | {report['peak_bytes']['measured'] / 2**20:.1f} | "
           f"{plain_peak / 2**20:.1f} |")
     print(f"| step time (s, last of 3) | {times[-1]:.4f} | {times_ref[-1]:.4f} |")
+    print(f"| step time compiled (s, median of 3 after warm-up) | {_compiled_step_s(model, args_, kwargs)} | "
+          f"{_compiled_step_s(ref, args_, kwargs)} |")
     dist.destroy_process_group()
     del rows
 
