@@ -97,8 +97,8 @@ def _try(train) -> str:
         train()
         torch.cuda.synchronize()
         return f"ok {time.perf_counter() - start:.1f}s"
-    except torch.OutOfMemoryError:
-        return "OOM"
+    except torch.OutOfMemoryError as e:
+        return "OOM: " + str(e).split(". ")[0][:90]
     except BudgetError:
         return "over budget"
     except Exception as e:  # report and go on: one lent-machine run should show everything
@@ -120,24 +120,41 @@ def capacity_table(budget_gib: float, dim: int, time_limit_s: float) -> None:
         def run():
             model = factory(layers)().cuda()
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-            for step in range(2):
+            for step in range(3):
+                if step == 2:
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
                 model(*_batch(vocab, batch, seq, step)).backward()
                 opt.step()
                 opt.zero_grad()
+            torch.cuda.synchronize()
+            plain_step_s[layers] = time.perf_counter() - start
         return run
 
     def chunked(layers):
         def run():
+            # The manager plans within 85% of the cap: the cap also holds the CUDA context's
+            # allocations (cuBLAS workspaces) and the caching allocator's rounding.
             model, opt = wrap(factory(layers), optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4),
-                              device_budget=int(budget_gib * GiB), device="cuda")
-            for step in range(2):
+                              device_budget=int(0.85 * budget_gib * GiB), device="cuda")
+            for step in range(3):
+                if step == 2:
+                    moved = opt.manager.mover.traffic.moved_bytes
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
                 opt.backward(model(*_batch(vocab, batch, seq, step)))
                 opt.step()
                 opt.zero_grad()
+            torch.cuda.synchronize()
+            stats[layers] = (time.perf_counter() - start, (opt.manager.mover.traffic.moved_bytes - moved) / 2**20,
+                             torch.cuda.max_memory_allocated() / 2**20)
         return run
 
+    stats: dict[int, tuple[float, float, float]] = {}
+    plain_step_s: dict[int, float] = {}
     print(f"\n## 3. largest GPT (dim {dim}, batch {batch}x{seq}) trainable in {budget_gib} GiB of device memory")
-    print("| layers | params (M) | model state GiB | plain | chunked |\n|---:|---:|---:|---|---|")
+    print("| layers | params (M) | model state GiB | plain | chunked | plain step s | chunked step s | MiB moved/step | peak MiB |\n"
+          "|---:|---:|---:|---|---|---:|---:|---:|---:|")
     start = time.perf_counter()
     plain_ok = True
     layers = 1
@@ -145,8 +162,11 @@ def capacity_table(budget_gib: float, dim: int, time_limit_s: float) -> None:
         n = (12 * dim * dim + 13 * dim) * layers + vocab * dim + seq * dim
         p_res = _try(plain(layers)) if plain_ok else "-"
         plain_ok = plain_ok and p_res.startswith("ok")
+        torch.cuda.reset_peak_memory_stats()
         c_res = _try(chunked(layers))
-        print(f"| {layers} | {n / 1e6:.0f} | {n * 16 / GiB:.2f} | {p_res} | {c_res} |", flush=True)
+        step_s, moved_mib, peak_mib = stats.get(layers, (float("nan"),) * 3)
+        print(f"| {layers} | {n / 1e6:.0f} | {n * 16 / GiB:.2f} | {p_res} | {c_res} | {plain_step_s.get(layers, float("nan")):.3f} | {step_s:.3f} | {moved_mib:.0f} | "
+              f"{peak_mib:.0f} |", flush=True)
         if not c_res.startswith("ok"):
             break
         layers *= 2
