@@ -165,7 +165,7 @@ def capacity_table(budget_gib: float, dim: int, time_limit_s: float) -> None:
         torch.cuda.reset_peak_memory_stats()
         c_res = _try(chunked(layers))
         step_s, moved_mib, peak_mib = stats.get(layers, (float("nan"),) * 3)
-        print(f"| {layers} | {n / 1e6:.0f} | {n * 16 / GiB:.2f} | {p_res} | {c_res} | {plain_step_s.get(layers, float("nan")):.3f} | {step_s:.3f} | {moved_mib:.0f} | "
+        print(f"| {layers} | {n / 1e6:.0f} | {n * 16 / GiB:.2f} | {p_res} | {c_res} | {plain_step_s.get(layers, float('nan')):.3f} | {step_s:.3f} | {moved_mib:.0f} | "
               f"{peak_mib:.0f} |", flush=True)
         if not c_res.startswith("ok"):
             break
