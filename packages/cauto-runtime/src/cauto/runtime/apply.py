@@ -30,6 +30,7 @@ from cauto.runtime.chunked_program import build_program, is_pure_data_parallel, 
 from cauto.runtime.dist_utils import local_slices, to_placements
 from cauto.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradSync
 from cauto.runtime.inputs import flat_inputs
+from cauto.runtime.lowering import LocalProgram
 from cauto.runtime.materialize import build_skeleton, materialize
 from cauto.runtime.propagate import propagate
 
@@ -52,7 +53,8 @@ class ParallelModule(nn.Module):
     """
 
     def __init__(self, model: nn.Module, cap: Capture, plan: PlanDocument, mesh: DeviceMesh,
-                 executable: execute.ExecutableGraph, bucket_bytes: int, chunked=None, shards=None):
+                 executable: execute.ExecutableGraph, bucket_bytes: int, chunked=None, shards=None,
+                 lowered: LocalProgram | None = None):
         super().__init__()
         for name, child in model.named_children():
             self.add_module(name, child)
@@ -65,6 +67,7 @@ class ParallelModule(nn.Module):
         self.plan = plan
         self.mesh = mesh
         self.__dict__["chunked"] = chunked
+        self.__dict__["lowered"] = lowered
         self._shards = shards or {}
         self._state = [self._lookup(node) for node in cap.graph.nodes
                        if node.op == "placeholder" and cap.placeholders[node.name][0] != "input"]
@@ -89,7 +92,7 @@ class ParallelModule(nn.Module):
     def generated_code(self) -> str:
         """The source of the parallel forward that runs (see ``cauto.runtime.codegen``)."""
         from cauto.runtime.codegen import render
-        return render(self.executable, self.plan)
+        return render(self.executable, self.plan, self.lowered)
 
     @property
     def manager(self):
@@ -100,6 +103,8 @@ class ParallelModule(nn.Module):
         flat = flat_inputs(args, kwargs, self._kwarg_order, self._input_names)
         if self.chunked is not None:
             (loss,) = self.chunked.run(self.executable.module, *self._state, *flat)
+        elif self.lowered is not None:
+            (loss,) = self.lowered(*self._state, *flat)
         else:
             (loss,) = self.executable.module(*self._state, *flat)
         return loss
@@ -158,7 +163,8 @@ def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, 
           state_dict: dict[str, torch.Tensor] | None = None, seed: int | None = None,
           bucket_bytes: int = DEFAULT_BUCKET_BYTES, check_placements: bool = True,
           captured: Capture | None = None,
-          optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None) -> ParallelModule | ChunkedParallelModule:
+          optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
+          lowering: str = "local", compile: bool = False) -> ParallelModule | ChunkedParallelModule:
     """Return the model of factory ``model_or_fn`` parallelized per ``plan`` on ``mesh`` (this rank's part).
 
     ``model_or_fn``: the factory the plan was made from (``() -> (model, inputs)``); ``captured``: its
@@ -184,6 +190,11 @@ def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, 
     if seed is None and state_dict is None:
         seed = _shared_seed()
     has_chunks = any(e.get("state", "device") != "device" for e in plan.params.values())
+    if compile and (has_chunks or lowering != "local"):
+        raise PlanMismatchError(
+            "compile=True needs the local program, and " + ("this plan keeps parameter state in chunks, which "
+            "the chunk manager fetches and releases in Python between ops (no graph can hold that)" if has_chunks
+            else "lowering='dtensor' was asked for") + "; run without compile, or plan without --offload")
     if has_chunks and is_pure_data_parallel(plan):
         return apply_chunked(fn, cap, plan, mesh, seed=seed, state_dict=state_dict, optimizer=optimizer)
     model, _, fills = build_skeleton(fn)
@@ -212,7 +223,12 @@ def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, 
         module.optimizer = chunked_opt
         return module
     executable = execute.build(cap, plan, mesh, device, propagation)
-    module = ParallelModule(model, cap, plan, mesh, executable, bucket_bytes)
+    lowered = LocalProgram(executable.module, mesh, compile=compile) if lowering == "local" else None
+    module = ParallelModule(model, cap, plan, mesh, executable, bucket_bytes, lowered=lowered)
+    if lowered is not None:
+        lowered.prepare(module._state, [(tuple(n.meta["val"].shape), n.meta["val"].dtype)
+                                        for n in cap.graph.nodes
+                                        if n.op == "placeholder" and cap.placeholders[n.name][0] == "input"])
     module.optimizer = optimizer(module) if optimizer is not None else None
     return module
 

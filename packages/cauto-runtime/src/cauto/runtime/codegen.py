@@ -24,8 +24,11 @@ def _imports(gm: torch.fx.GraphModule) -> list[str]:
     return sorted(lines)
 
 
-def render(executable, plan) -> str:
-    """Source text of an ``execute.ExecutableGraph`` for ``plan``: header, imports, forward, checkpoint regions."""
+def render(executable, plan, lowered=None) -> str:
+    """Source text of an ``execute.ExecutableGraph`` for ``plan``: header, imports, forward, checkpoint regions.
+
+    With ``lowered`` (a traced ``lowering.LocalProgram``), the local forward and backward graphs that
+    actually run follow, each collective a line with its mesh axis and bytes."""
     gm = executable.module
     params = ", ".join(f"{entry['target']}: {','.join(entry['placements'])}" for entry in list(plan.params.values())[:6])
     header = [
@@ -49,6 +52,12 @@ def render(executable, plan) -> str:
         if isinstance(sub, torch.fx.GraphModule):
             body += ["", f"class {name.title().replace('_', '')}(torch.nn.Module):  # self.{name}",
                      *["    " + line for line in sub.code.strip("\n").splitlines()]]
+    if lowered is not None and lowered.graphs:
+        counts = {kind: len(c) for kind, c in lowered.collectives.items()}
+        body += ["", "", "# What runs: the program above lowered to plain local tensors (cauto.runtime.lowering),",
+                 f"# local shapes, explicit collectives (forward {counts.get('forward', 0)}, backward "
+                 f"{counts.get('backward', 0)}); compiled by inductor: {lowered.compile}.",
+                 *lowered.code().rstrip("\n").splitlines()]
     return "\n".join(header + _imports(gm) + ["", ""] + body) + "\n"
 
 

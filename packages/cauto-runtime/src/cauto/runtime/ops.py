@@ -7,6 +7,8 @@ those DTensor's ``redistribute`` chooses for the two placements.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.utils.checkpoint
 from torch.distributed.device_mesh import DeviceMesh
@@ -14,6 +16,12 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils._python_dispatch import _disable_current_modes
 
 from cauto.runtime.dist_utils import local_slices, placements_text, to_placements
+
+
+def _tracing() -> bool:
+    """True while the program is traced into a local graph (lowering.py), not executed."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FUNCTIONAL) is not None or \
+        torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
 
 
 def redistribute(x: DTensor, mesh: DeviceMesh, placements: str) -> DTensor:
@@ -185,9 +193,10 @@ def sdpa(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: b
             attn_mask = attn_mask.redistribute(mesh, mask_target)
         mask_local = attn_mask.to_local()
     shape = (*query.shape[:-1], value.shape[-1])
-    # No collective runs below; dispatch modes (CommDebugMode) are kept out of the local computation,
-    # whose backward they would otherwise see with plain tensors.
-    with _disable_current_modes():
+    # No collective runs below; debug dispatch modes (CommDebugMode) are kept out of the local
+    # computation, whose backward they would otherwise see with plain tensors. Tracing modes (the
+    # lowering to a local program: functionalization, proxies) must see it.
+    with _disable_current_modes() if not _tracing() else contextlib.nullcontext():
         out = plain(q.to_local(), k.to_local(), v.to_local(), mask_local, dropout_p, is_causal, scale=scale,
                     enable_gqa=enable_gqa)
         # The CPU flash kernel returns its output laid out (batch, seq, heads, dim) and viewed as
