@@ -34,6 +34,20 @@ class _Recorder(torch.fx.Interpreter):
         return super().run_node(n)
 
 
+def _apply(regions: list[dict], tp: bool, force: dict | None = None, lowering: str = "dtensor"):
+    from cauto.runtime.apply import apply
+    from cauto.runtime.dist_utils import make_mesh
+
+    fake_world(2)
+    placement = dict(inputs="R", params=megatron("gpt", 1)) if tp else dict(inputs="S(0)")
+    plan = plan_for("gpt", KW["gpt"], (2,), ["tp" if tp else "dp"], checkpoint=regions, force=force, **placement)
+    cap = zoo_capture("gpt", KW["gpt"])
+    from cauto.profiler import zoo
+
+    return apply(lambda: zoo.gpt(**KW["gpt"]), plan, make_mesh((2,), ["tp" if tp else "dp"]), seed=0, captured=cap,
+                 lowering=lowering)
+
+
 def _recomputed(regions: list[dict], tp: bool, force: dict | None = None) -> tuple[Counter, Counter, Counter]:
     from cauto.runtime.apply import apply
     from cauto.runtime.dist_utils import make_mesh
@@ -44,7 +58,8 @@ def _recomputed(regions: list[dict], tp: bool, force: dict | None = None) -> tup
     cap = zoo_capture("gpt", KW["gpt"])
     from cauto.profiler import zoo
 
-    model = apply(lambda: zoo.gpt(**KW["gpt"]), plan, make_mesh((2,), ["tp" if tp else "dp"]), seed=0, captured=cap)
+    model = apply(lambda: zoo.gpt(**KW["gpt"]), plan, make_mesh((2,), ["tp" if tp else "dp"]), seed=0, captured=cap,
+                  lowering="dtensor")  # the DTensor program: its region sub-modules run (and are recorded) per step
     seen: list[str] = []
     for name, sub in model.executable.module.named_modules():
         if name.split(".")[-1].startswith("checkpoint_") and isinstance(sub, torch.fx.GraphModule):
@@ -75,3 +90,27 @@ def test_recomputed_redistributions_run_again():
     assert recomputed == expected
     # the all-gather into layer_norm (its redistribution node), recomputed by both regions, and nothing else
     assert len(extra) == 1 and sum(extra.values()) == 2, extra
+
+
+def _op_counts(gm: torch.fx.GraphModule) -> Counter:
+    names = Counter()
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            target = str(n.target)
+            names[target.split(".")[1] if target.startswith(("aten.", "_c10d_functional.")) else n.target.__name__] += 1
+    return names
+
+
+def test_lowered_program_recomputes_each_region_op_in_backward():
+    """The local program (lowering.py): a region's forward ops appear again in the backward graph (each
+    once: the partition recomputes the union of the regions), its activations are not saved, and a
+    redistribution inside a region (the all-gather into a replicated layer norm) is recomputed with it."""
+    plain = _apply([], tp=False, force={"layer_norm": ["R", "R", "R"]}, lowering="local").lowered.graphs
+    regions = [{"nodes": BLOCK, "children": [1]}, {"nodes": ["layer_norm", *ATTENTION]}]
+    ckpt = _apply(regions, tp=False, force={"layer_norm": ["R", "R", "R"]}, lowering="local").lowered.graphs
+    more = _op_counts(ckpt["backward"]) - _op_counts(plain["backward"])
+    assert more["gelu"] == 1 and more["native_layer_norm"] == 2, more
+    assert more["aten__scaled_dot_product_flash_attention_for_cpu_default_recomputable"] == 1, more
+    assert more["all_gather_into_tensor"] == 1, more  # the region's edge runs again in backward
+    saved = len(ckpt["forward"].graph.output_node().args[0])
+    assert saved < len(plain["forward"].graph.output_node().args[0])

@@ -28,7 +28,6 @@ others traces again (a few per model at most: training and evaluation).
 from __future__ import annotations
 
 import torch
-import torch._functorch.config
 import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -72,6 +71,52 @@ def annotate_collectives(gm: torch.fx.GraphModule, mesh: DeviceMesh) -> list[dic
         node.meta["cauto_comment"] = f"COLLECTIVE {op} over {where}: {nbytes} bytes out"
         records.append({"op": op, "axis": where, "bytes": nbytes, "node": node.name})
     return records
+
+
+def _partition_with_regions(joint: torch.fx.GraphModule, joint_inputs, **kwargs):
+    """AOTAutograd's default partition (save what backward needs), except that every op of a plan's
+    checkpoint region (annotated by ``ops.checkpointed`` while tracing) is recomputed in backward from
+    the region's inputs instead of saved: the region's activations are freed after forward."""
+    from torch._functorch.partitioners import default_partition
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from cauto.runtime.ops import REGION_ANNOTATION
+
+    regions: dict[str, int] = {}
+    for node in joint.graph.nodes:
+        region = (node.meta.get("custom") or {}).get(REGION_ANNOTATION)
+        if region is not None and node.op == "call_function":
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            node.meta["ac_graph_id"] = regions.setdefault(region, len(regions))
+            _unseed(node)
+    return default_partition(joint, joint_inputs, **kwargs)
+
+
+class LoweringError(ValueError):
+    """The plan's program cannot be lowered to a local program; the message names the node and what to do."""
+
+
+_SEEDLESS: dict = {}
+
+
+def _unseed(node: torch.fx.Node) -> None:
+    """A recomputed op that torch tags as random (CPU flash attention) but that draws no random number
+    here (dropout 0) runs through a plain wrapper: recomputing it needs no saved RNG state. One with
+    dropout cannot be recomputed bit-identically: refused."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in target.tags:
+        return
+    dropout = node.args[3] if len(node.args) > 3 else node.kwargs.get("dropout_p", 0.0)
+    if "scaled_dot_product" not in str(target) or dropout != 0.0:
+        raise LoweringError(
+            f"checkpoint region op {node.name} ({target}) draws random numbers, and the local program cannot "
+            "recompute it with the same ones; plan without checkpointing that module, or pass lowering='dtensor'")
+    if target not in _SEEDLESS:
+        def seedless(*args, _op=target, **kwargs):
+            return _op(*args, **kwargs)
+        seedless.__name__ = seedless.__qualname__ = str(target).replace(".", "_") + "_recomputable"
+        _SEEDLESS[target] = seedless
+    node.target = _SEEDLESS[target]
 
 
 class LocalProgram(torch.nn.Module):
@@ -120,17 +165,22 @@ class LocalProgram(torch.nn.Module):
         collective is issued or counted (CommDebugMode in ``--verify``), and a plan that cannot be
         lowered fails here, before its first step. Forward and backward are both traced now (not the
         backward at the first ``loss.backward()``), so their code is there to read."""
+        import torch.fx.traceback as fx_traceback
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.utils._python_dispatch import _disable_current_modes
 
         grad = torch.is_grad_enabled()
         with _disable_current_modes(), FakeTensorMode(allow_non_fake_inputs=False), \
-                torch.set_grad_enabled(grad):
+                torch.set_grad_enabled(grad), fx_traceback.preserve_node_meta():
             fakes = [self._fake_like(a, input_device) for a in args]
             key = self._key(fakes)
             fn = self._lowered[key] = self._lower()
-            with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
-                fn(*fakes)
+            outs = fn(*fakes)
+            # AOTAutograd lowers the backward at its first run: run it here on the fakes (their
+            # gradients are thrown away with them).
+            loss = outs[0] if isinstance(outs, (tuple, list)) else outs
+            if grad and isinstance(loss, torch.Tensor) and loss.requires_grad:
+                loss.backward()
         return fn
 
     @staticmethod
@@ -150,7 +200,6 @@ class LocalProgram(torch.nn.Module):
     def _lower(self):
         from functorch.compile import make_boxed_func
         from torch._functorch.aot_autograd import aot_function
-        from torch._functorch.partitioners import default_partition
 
         from cauto.runtime.execute import compile_with_comments
 
@@ -169,7 +218,7 @@ class LocalProgram(torch.nn.Module):
         self.traces += 1
         program = self.program
         return aot_function(lambda *a: program.forward(*a), fw_compiler=keep("forward"), bw_compiler=keep("backward"),
-                            inference_compiler=keep("forward"), partition_fn=default_partition)
+                            inference_compiler=keep("forward"), partition_fn=_partition_with_regions)
 
     def code(self) -> str:
         """Source of the lowered graphs (forward, then backward once traced), as they run."""
@@ -182,4 +231,4 @@ class LocalProgram(torch.nn.Module):
         return "\n\n\n".join(parts) + "\n"
 
 
-__all__ = ["COLLECTIVE_NAMESPACE", "LocalProgram", "annotate_collectives"]
+__all__ = ["COLLECTIVE_NAMESPACE", "LocalProgram", "LoweringError", "annotate_collectives"]

@@ -218,8 +218,20 @@ def checkpointed(region: torch.nn.Module, *args):
     off: backward recomputes the whole region, every node and redistribution of it, as the plan
     predicts (its recompute time and collectives), not only up to the last tensor backward needs.
     """
+    if _tracing():
+        # Lowering (lowering.py): the region's ops are annotated, and the partition of the local
+        # program recomputes every one of them in backward instead of saving it (the same ops as
+        # torch.utils.checkpoint with early stop off, without its hooks).
+        import torch.fx.traceback as fx_traceback
+
+        with fx_traceback.annotate({REGION_ANNOTATION: region.__class__.__name__ + f"#{id(region)}"}):
+            return region.forward(*args)
     with torch.utils.checkpoint.set_checkpoint_early_stop(False):
         return torch.utils.checkpoint.checkpoint(region.forward, *args, use_reentrant=False)
+
+
+#: the node annotation (``node.meta["custom"]``) that marks a checkpoint region's ops in a lowered trace
+REGION_ANNOTATION = "cauto_checkpoint_region"
 
 #: loss ops whose DTensor backward needs ``to_local_loss(rescale_avg_grad=True)``
 RESCALE_AVG_LOSSES = {torch.ops.aten.mse_loss.default}
