@@ -44,7 +44,7 @@ def run_job(job: dict, mesh, captures: dict) -> dict:
         torch.manual_seed(7)
         ref, _ = fn()
         m = apply(fn, job["plan"], mesh, seed=7, captured=cap)
-        diffs = {n: float((p.full_tensor() - ref.get_parameter(n).detach()).abs().max()) for n, p in m.named_parameters()}
+        diffs = {n: float((_full(p) - ref.get_parameter(n).detach()).abs().max()) for n, p in m.named_parameters()}
         return {"init_max_diff": max(diffs.values()), "worst": max(diffs, key=diffs.get)}
     torch.manual_seed(0)
     ref, inputs = fn()
@@ -77,7 +77,7 @@ def run_job(job: dict, mesh, captures: dict) -> dict:
             out["buckets"] = len(m.grad_sync.last_buckets)
             out["overlapped_buckets"] = m.grad_sync.last_overlapped
             for name, p in m.named_parameters():
-                g = p.grad.full_tensor()
+                g = _full(p.grad)
                 grad_diff = max(grad_diff, float((g - ref.get_parameter(name).grad).abs().max()))
         else:
             loss = m(*args, **kwargs)
@@ -180,6 +180,12 @@ def chunked_job(job: dict, fn, cap, mesh) -> dict:
             "optimizer_on_device": any(c.fixed for c in mgr.chunks.values()),
             "local_batch": [] if program else [int(t.shape[0]) for t in m._local(list(args) + list(kwargs.values()))],
             "fetches": m.generated_code.count("fetch_chunked(") if program else 0}
+
+
+
+def _full(t):
+    """The whole tensor: a DTensor gathered, a plain (replicated) parameter or gradient as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def main() -> None:

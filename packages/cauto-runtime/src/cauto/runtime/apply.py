@@ -73,7 +73,13 @@ class ParallelModule(nn.Module):
                        if node.op == "placeholder" and cap.placeholders[node.name][0] != "input"]
         self._input_names = [name for name, (kind, _) in cap.placeholders.items() if kind == "input"]
         self._kwarg_order = list(cap.kwargs)
-        self.grad_sync = GradSync([p for p in self.parameters() if isinstance(p, DTensor)], mesh, bucket_bytes)
+        plain_grads = {}
+        if lowered is not None:
+            lowered.plain = {i for i, x in enumerate(self._state)
+                             if isinstance(x, nn.Parameter) and not isinstance(x, DTensor)}
+            plain_grads = _PlainGradPlacements(lowered.grad_placements, self._state)
+        self.grad_sync = GradSync([p for p in self.parameters() if isinstance(p, DTensor) or lowered is not None],
+                                  mesh, bucket_bytes, plain_grad_placements=plain_grads)
 
     def _lookup(self, node):
         kind, fqn = self.capture.placeholders[node.name]
@@ -118,6 +124,49 @@ class ParallelModule(nn.Module):
                 placements = to_placements(tuple(self.plan.nodes[node.name]["outputs"][0]))
                 out[self.capture.placeholders[node.name][1]] = local_slices(shape, placements, self.mesh)
         return out
+
+
+class _PlainGradPlacements(dict):
+    """id(plain parameter) -> placements of its gradient, read off the local program's trace by position."""
+
+    def __init__(self, by_position: dict[int, tuple], state: list):
+        super().__init__()
+        self._by_position, self._positions = by_position, {}
+        for i, x in enumerate(state):
+            self._positions.setdefault(id(x), []).append(i)
+
+    def get(self, key, default=None):
+        # A tied parameter is an argument more than once; the trace may keep one of them (AOTAutograd
+        # deduplicates arguments): any recorded position holds the gradient's placements.
+        for position in self._positions.get(key, ()):
+            if position in self._by_position:
+                return self._by_position[position]
+        return default
+
+    def __getitem__(self, key):
+        found = self.get(key)
+        if found is None:
+            raise KeyError(key)
+        return found
+
+
+def _replicated_as_plain(model: nn.Module, mesh: DeviceMesh) -> None:
+    """When every parameter is replicated on every mesh axis (data parallelism), parameters become plain
+    (their local tensor): the optimizer and the local program then treat them as DDP does, with no
+    DTensor dispatch. Plans that shard any parameter keep all of them DTensors, as FSDP2 and tensor
+    parallelism do (a foreach optimizer refuses a mix of DTensors and plain tensors)."""
+    from torch.distributed.tensor import Replicate
+
+    params = list(model.parameters())
+    if not all(isinstance(p, DTensor) and all(isinstance(q, Replicate) for q in p.placements) for p in params):
+        return
+    done: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if isinstance(p, DTensor) and all(isinstance(q, Replicate) for q in p.placements):
+                if id(p) not in done:
+                    done[id(p)] = nn.Parameter(p._local_tensor.detach(), requires_grad=p.requires_grad)
+                module._parameters[name] = done[id(p)]
 
 
 def check_fits(cap: Capture, plan: PlanDocument, mesh: DeviceMesh, *, chunked_ok: bool = False) -> None:
@@ -223,6 +272,8 @@ def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, 
         module.optimizer = chunked_opt
         return module
     executable = execute.build(cap, plan, mesh, device, propagation)
+    if lowering == "local":
+        _replicated_as_plain(model, mesh)
     lowered = LocalProgram(executable.module, mesh, compile=compile) if lowering == "local" else None
     module = ParallelModule(model, cap, plan, mesh, executable, bucket_bytes, lowered=lowered)
     if lowered is not None:

@@ -36,8 +36,13 @@ class _Bucket:
 class GradSync:
     """Hooks that synchronize the gradients of ``params`` on ``mesh`` after each backward."""
 
-    def __init__(self, params: list[torch.nn.Parameter], mesh: DeviceMesh, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    def __init__(self, params: list[torch.nn.Parameter], mesh: DeviceMesh, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 plain_grad_placements: dict[int, tuple] | None = None):
+        """``params``: DTensor parameters, and plain ones (replicated everywhere, the local program's)
+        whose gradients arrive as local tensors with the placements ``plain_grad_placements[id(p)]``
+        (read at each gradient: the local program fills it when it is traced)."""
         self.mesh = mesh
+        self._plain = plain_grad_placements if plain_grad_placements is not None else {}
         self.bucket_bytes = bucket_bytes
         self._open: dict[tuple, _Bucket] = {}
         self._inflight: list[tuple[tuple, list, torch.Tensor, object]] = []
@@ -59,7 +64,9 @@ class GradSync:
     def _key(self, p: torch.nn.Parameter) -> tuple | None:
         """(dtype, ((axis, reduce_op), ...)) when the gradient can go into a bucket, None otherwise."""
         axes = []
-        for axis, (g, want) in enumerate(zip(p.grad.placements, p.placements)):
+        have = p.grad.placements if isinstance(p.grad, DTensor) else self._plain[id(p)]
+        want_all = p.placements if isinstance(p, DTensor) else [Replicate()] * self.mesh.ndim
+        for axis, (g, want) in enumerate(zip(have, want_all)):
             if g == want:
                 continue
             if isinstance(g, Partial) and isinstance(want, Replicate) and g.reduce_op in ("sum", "avg"):
@@ -73,7 +80,10 @@ class GradSync:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._queued = True
         grad = p.grad
-        if not isinstance(grad, DTensor) or tuple(grad.placements) == tuple(p.placements):
+        if isinstance(grad, DTensor):
+            if tuple(grad.placements) == tuple(p.placements):
+                return
+        elif isinstance(p, DTensor) or all(isinstance(g, Replicate) for g in self._plain.get(id(p), ())):
             return
         key = self._key(p)
         if key is None:
@@ -81,14 +91,15 @@ class GradSync:
             return
         bucket = self._open.setdefault(key, _Bucket())
         bucket.params.append(p)
-        bucket.nbytes += grad._local_tensor.numel() * grad._local_tensor.element_size()
+        local = grad._local_tensor if isinstance(grad, DTensor) else grad
+        bucket.nbytes += local.numel() * local.element_size()
         if bucket.nbytes >= self.bucket_bytes:
             self._launch(key)
             self._early += 1
 
     def _launch(self, key: tuple) -> None:
         bucket = self._open.pop(key)
-        flat = torch.cat([p.grad._local_tensor.reshape(-1) for p in bucket.params])
+        flat = torch.cat([_local(p.grad).reshape(-1) for p in bucket.params])
         (axis, _), *_ = key[1]
         work = dist.all_reduce(flat, group=self.mesh.get_group(axis), async_op=True)
         self._inflight.append((key, bucket.params, flat, work))
@@ -108,10 +119,11 @@ class GradSync:
                     flat.div_(self.mesh.size(axis))
             offset = 0
             for p in params:
-                local = p.grad._local_tensor
+                local = _local(p.grad)
                 n = local.numel()
-                p.grad = DTensor.from_local(flat[offset:offset + n].view_as(local), self.mesh, p.placements,
-                                            run_check=False, shape=p.shape, stride=p.stride())
+                view = flat[offset:offset + n].view_as(local)
+                p.grad = view if not isinstance(p, DTensor) else DTensor.from_local(
+                    view, self.mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
                 offset += n
         for p in self._fallback:
             p.grad = p.grad.redistribute(self.mesh, p.placements)
@@ -123,3 +135,7 @@ class GradSync:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    return grad._local_tensor if isinstance(grad, DTensor) else grad

@@ -92,6 +92,19 @@ def _partition_with_regions(joint: torch.fx.GraphModule, joint_inputs, **kwargs)
     return default_partition(joint, joint_inputs, **kwargs)
 
 
+def _drop_dead_random_ops(gm: torch.fx.GraphModule) -> None:
+    """Remove ops whose results nothing uses. AOTAutograd keeps dead ops that torch tags as random (a
+    second CPU flash-attention forward per layer in the backward graph, whose outputs are dropped)
+    in case they advance the RNG; none of ours draws a random number that matters (attention without
+    dropout). Mutations (BatchNorm statistics written back) and collectives stay: every rank must
+    issue the same collectives."""
+    def impure(node: torch.fx.Node) -> bool:
+        return node.is_impure(impure_random=False) or COLLECTIVE_NAMESPACE in str(node.target)
+
+    if gm.graph.eliminate_dead_code(is_impure_node=impure):
+        gm.recompile()
+
+
 class LoweringError(ValueError):
     """The plan's program cannot be lowered to a local program; the message names the node and what to do."""
 
@@ -119,6 +132,27 @@ def _unseed(node: torch.fx.Node) -> None:
     node.target = _SEEDLESS[target]
 
 
+class _AsReplicated(torch.autograd.Function):
+    """A plain (replicated) parameter as a Replicate DTensor for the program; in backward its gradient
+    is handed back as the local tensor it is, still Partial where the program left it so (no
+    collective here: GradSync all-reduces those gradients in buckets). ``record`` receives the
+    gradient's placements while tracing."""
+
+    @staticmethod
+    def forward(ctx, x, mesh, record):
+        from torch.distributed.tensor import Replicate
+
+        ctx.record = record
+        return DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if isinstance(grad, DTensor):
+            ctx.record(tuple(grad.placements))
+            grad = grad._local_tensor
+        return grad, None, None
+
+
 class LocalProgram(torch.nn.Module):
     """The DTensor ``program`` of a plan, lowered to local forward and backward graphs on first call.
 
@@ -128,10 +162,15 @@ class LocalProgram(torch.nn.Module):
     lowered backward graph and leaves DTensor gradients on the parameters.
     """
 
-    def __init__(self, program: torch.fx.GraphModule, mesh: DeviceMesh, *, compile: bool = False):
+    def __init__(self, program: torch.fx.GraphModule, mesh: DeviceMesh, *, compile: bool = False,
+                 plain: set[int] | None = None):
         super().__init__()
         self.__dict__["program"] = program  # not a submodule: its parameters are the model's
         self.mesh = mesh
+        #: argument positions of parameters kept as plain tensors (replicated on every mesh axis)
+        self.plain = set(plain or ())
+        #: position -> placements of its gradient as the program leaves it (Partial on data-parallel axes)
+        self.grad_placements: dict[int, tuple] = {}
         self.compile = compile
         self._lowered: dict[tuple, object] = {}
         #: the graphs of the most recent lowering: {"forward": GraphModule, "backward": GraphModule}
@@ -205,6 +244,7 @@ class LocalProgram(torch.nn.Module):
 
         def keep(kind: str):
             def compiler(gm: torch.fx.GraphModule, example_inputs):
+                _drop_dead_random_ops(gm)
                 self.collectives[kind] = annotate_collectives(gm, self.mesh)
                 compile_with_comments(gm)
                 self.graphs[kind] = gm
@@ -216,8 +256,14 @@ class LocalProgram(torch.nn.Module):
 
         self.graphs, self.collectives = {}, {}
         self.traces += 1
-        program = self.program
-        return aot_function(lambda *a: program.forward(*a), fw_compiler=keep("forward"), bw_compiler=keep("backward"),
+        program, plain, mesh, placements = self.program, self.plain, self.mesh, self.grad_placements
+
+        def step(*args):
+            args = [_AsReplicated.apply(a, mesh, lambda g, i=i: placements.__setitem__(i, g)) if i in plain else a
+                    for i, a in enumerate(args)]
+            return program.forward(*args)
+
+        return aot_function(step, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
                             inference_compiler=keep("forward"), partition_fn=_partition_with_regions)
 
     def code(self) -> str:
