@@ -188,12 +188,24 @@ def test_parity_world1_and_world2(tmp_path):
         job("gpt_fsdp", "gpt", [2], ["dp"], inputs="S(0)", storage="S(0)"),
         job("gpt_seed", "gpt", [2], ["dp"], check="seed_init", inputs="S(0)"),
         job("llama_seed", "llama", [2], ["dp"], check="seed_init", inputs="S(0)"),
+        # the DTensor interpreter (lowering="dtensor") and the compiled local program keep parity too
+        dict(job("gpt_tp_dtensor", "gpt", [2], ["tp"], inputs="R", params=megatron("gpt", 1)),
+             apply={"lowering": "dtensor"}),
+        dict(job("gpt_tp_compiled", "gpt", [2], ["tp"], check="local_code", inputs="R", params=megatron("gpt", 1)),
+             apply={"compile": True}),
     ]
     j2[0]["dcp_dir"] = str(tmp_path / "dcp")
     results = run_ranks(2, j2, tmp_path)
     for rank_result in results:
-        for name in ("gpt_dp", "gpt_tp", "gpt_edge_ckpt", "cnn_dp", "llama_dp", "gpt_mismatch", "gpt_fsdp"):
+        for name in ("gpt_dp", "gpt_tp", "gpt_edge_ckpt", "cnn_dp", "llama_dp", "gpt_mismatch", "gpt_fsdp",
+                     "gpt_tp_dtensor", "gpt_tp_compiled"):
             assert_parity(rank_result, name)
+        # Megatron: each block's row-split proj and out all-reduce in forward; the column split's input
+        # gradient all-reduces in backward: explicit lines of the local program, with axis and bytes
+        tp = rank_result["gpt_tp_compiled"]
+        assert len(tp["forward_collectives"]) >= 2 and len(tp["backward_collectives"]) >= 2, tp
+        assert all("all_reduce over mesh axis 0 (tp)" in c and "bytes out" in c
+                   for c in tp["forward_collectives"] + tp["backward_collectives"]), tp
         for name in ("gpt_dp", "gpt_edge_ckpt", "cnn_dp", "gpt_fsdp"):
             assert_collectives(rank_result, name, next(j["plan"] for j in j2 if j["name"] == name))
         d = rank_result["gpt_dp"]["dcp"]

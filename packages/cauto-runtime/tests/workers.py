@@ -102,6 +102,12 @@ def run_job(job: dict, mesh, captures: dict) -> dict:
     if job.get("check") == "code":
         out["code_has_redistribute"] = "redistribute" in m.generated_code
         out["code_has_checkpoint"] = "checkpoint" in m.generated_code
+    if job.get("check") == "local_code":
+        code = m.generated_code
+        local = code[code.index("class LocalForward"):]
+        forward, backward = local.split("class LocalBackward")
+        out["forward_collectives"] = [line.split("# ")[-1] for line in forward.splitlines() if "COLLECTIVE" in line]
+        out["backward_collectives"] = [line.split("# ")[-1] for line in backward.splitlines() if "COLLECTIVE" in line]
     return out
 
 

@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--measured-out", help="where --verify writes its JSON report (default: PLAN.measured.json)")
     parser.add_argument("--batch", type=int, help="passed to the factory as batch= (as for cauto-profile)")
     parser.add_argument("--seq", type=int, help="passed to the factory as seq= (as for cauto-profile)")
+    parser.add_argument("--compile", action="store_true",
+                        help="run the local program's forward and backward graphs compiled by inductor")
     args = parser.parse_args(argv)
 
     import torch
@@ -55,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = load_plan(args.plan)
         mesh = make_mesh(plan.mesh["shape"], plan.mesh["axis_names"])
         fn = bind_sizes(load_target(args.target), {"batch": args.batch, "seq": args.seq})
-        model = apply(fn, plan, mesh, seed=args.seed,
+        model = apply(fn, plan, mesh, seed=args.seed, compile=args.compile,
                       optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=args.lr))
         torch.manual_seed(args.seed)
         with torch.device("cpu"):

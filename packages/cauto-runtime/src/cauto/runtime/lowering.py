@@ -92,17 +92,26 @@ def _partition_with_regions(joint: torch.fx.GraphModule, joint_inputs, **kwargs)
     return default_partition(joint, joint_inputs, **kwargs)
 
 
-def _drop_dead_random_ops(gm: torch.fx.GraphModule) -> None:
-    """Remove ops whose results nothing uses. AOTAutograd keeps dead ops that torch tags as random (a
-    second CPU flash-attention forward per layer in the backward graph, whose outputs are dropped)
-    in case they advance the RNG; none of ours draws a random number that matters (attention without
-    dropout). Mutations (BatchNorm statistics written back) and collectives stay: every rank must
-    issue the same collectives."""
-    def impure(node: torch.fx.Node) -> bool:
-        return node.is_impure(impure_random=False) or COLLECTIVE_NAMESPACE in str(node.target)
-
-    if gm.graph.eliminate_dead_code(is_impure_node=impure):
-        gm.recompile()
+def _drop_dead_ops(gm: torch.fx.GraphModule) -> None:
+    """Remove ops whose results nothing uses. AOTAutograd keeps two kinds of dead ops in its graphs:
+    ops torch tags as random (a second CPU flash-attention forward per layer in the backward graph,
+    outputs dropped), in case they advance the RNG, and collectives, in case a rank would skip one
+    (a forward all-gather copied into the backward graph, its result waited for and dropped). None of
+    our random ops draws a number that matters (attention without dropout), and every rank lowers the
+    same program, so every rank drops the same collectives. Mutations (BatchNorm statistics written
+    back) stay, and a collective stays unless its one user is a dead wait."""
+    graph = gm.graph
+    changed = True
+    while changed:
+        changed = False
+        for node in reversed(list(graph.nodes)):
+            if node.users or node.op in ("placeholder", "output"):
+                continue
+            collective = COLLECTIVE_NAMESPACE in str(node.target)
+            if collective or not node.is_impure(impure_random=False):
+                graph.erase_node(node)
+                changed = True
+    gm.recompile()
 
 
 class LoweringError(ValueError):
@@ -178,6 +187,7 @@ class LocalProgram(torch.nn.Module):
         #: collectives of the most recent lowering, per graph (op, mesh axis, bytes, node)
         self.collectives: dict[str, list[dict]] = {}
         self.traces = 0
+        self._tracing = False
 
     def forward(self, *args):
         fn = self._lowered.get(self._key(args))
@@ -211,15 +221,19 @@ class LocalProgram(torch.nn.Module):
         grad = torch.is_grad_enabled()
         with _disable_current_modes(), FakeTensorMode(allow_non_fake_inputs=False), \
                 torch.set_grad_enabled(grad), fx_traceback.preserve_node_meta():
-            fakes = [self._fake_like(a, input_device) for a in args]
-            key = self._key(fakes)
-            fn = self._lowered[key] = self._lower()
-            outs = fn(*fakes)
-            # AOTAutograd lowers the backward at its first run: run it here on the fakes (their
-            # gradients are thrown away with them).
-            loss = outs[0] if isinstance(outs, (tuple, list)) else outs
-            if grad and isinstance(loss, torch.Tensor) and loss.requires_grad:
-                loss.backward()
+            self._tracing = True
+            try:
+                fakes = [self._fake_like(a, input_device) for a in args]
+                key = self._key(fakes)
+                fn = self._lowered[key] = self._lower()
+                outs = fn(*fakes)
+                # AOTAutograd lowers the backward at its first run: run it here on the fakes (their
+                # gradients are thrown away with them).
+                loss = outs[0] if isinstance(outs, (tuple, list)) else outs
+                if grad and isinstance(loss, torch.Tensor) and loss.requires_grad:
+                    loss.backward()
+            finally:
+                self._tracing = False
         return fn
 
     @staticmethod
@@ -244,14 +258,22 @@ class LocalProgram(torch.nn.Module):
 
         def keep(kind: str):
             def compiler(gm: torch.fx.GraphModule, example_inputs):
-                _drop_dead_random_ops(gm)
+                _drop_dead_ops(gm)
                 self.collectives[kind] = annotate_collectives(gm, self.mesh)
                 compile_with_comments(gm)
                 self.graphs[kind] = gm
-                if self.compile:
-                    from torch._inductor.compile_fx import compile_fx_inner
-                    return compile_fx_inner(gm, example_inputs, is_backward=kind == "backward")
-                return make_boxed_func(gm.forward)  # no module hooks: the step is one call of LocalProgram
+                python = make_boxed_func(gm.forward)  # no module hooks: the step is one call of LocalProgram
+                if not self.compile:
+                    return python
+                from torch._inductor.compile_fx import compile_fx_inner
+                compiled = compile_fx_inner(gm, example_inputs, is_backward=kind == "backward")
+
+                def run(args):
+                    # While tracing (fake tensors, no data) the graph runs as Python: compiled kernels
+                    # would read the fakes' memory.
+                    return python(args) if self._tracing else compiled(args)
+                run._boxed_call = True
+                return run
             return compiler
 
         self.graphs, self.collectives = {}, {}
@@ -263,8 +285,13 @@ class LocalProgram(torch.nn.Module):
                     for i, a in enumerate(args)]
             return program.forward(*args)
 
+        decompositions = None
+        if self.compile:  # inductor lowers what its own decomposition table leaves, as torch.compile does
+            from torch._inductor.decomposition import select_decomp_table
+            decompositions = select_decomp_table()
         return aot_function(step, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
-                            inference_compiler=keep("forward"), partition_fn=_partition_with_regions)
+                            inference_compiler=keep("forward"), partition_fn=_partition_with_regions,
+                            decompositions=decompositions)
 
     def code(self) -> str:
         """Source of the lowered graphs (forward, then backward once traced), as they run."""

@@ -136,7 +136,8 @@ def autoparallelize(model_fn: Callable[[], torch.nn.Module], example_inputs, mes
                     optimizer: str = "adamw", cache_dir: str | None = None, use_cache: bool = True,
                     state_dict: dict | None = None, seed: int | None = None, verbose: bool = False,
                     progress: bool | Callable[[str, int, int], None] = False,
-                    make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None):
+                    make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None,
+                    compile: bool = False):
     """Return ``model_fn()``'s model parallelized over ``mesh`` under ``memory_budget`` per device.
 
     ``example_inputs``: a tuple or dict of tensors (only shapes and dtypes are used); the returned
@@ -150,6 +151,8 @@ def autoparallelize(model_fn: Callable[[], torch.nn.Module], example_inputs, mes
     state runs under the chunk manager (beside tensor parallelism where the plan has it), which owns the optimizer: pass ``make_optimizer`` (a factory ``module -> torch
     optimizer``; its class, Adam or AdamW, and parameter groups are read) and train through
     ``model.optimizer``, which is also set (the factory's optimizer) for a device-only plan.
+    ``compile=True``: the plan's local program (forward and backward graphs with explicit collectives)
+    is compiled by inductor; refused for plans with chunked state.
     """
     from cauto.runtime import apply
 
@@ -169,4 +172,4 @@ def autoparallelize(model_fn: Callable[[], torch.nn.Module], example_inputs, mes
                         offload_axes=offload_axes, cache=cache,
                         verbose=verbose, progress=progress)
     plan = _share_plan(plan)
-    return apply(fn, plan, mesh, state_dict=state_dict, seed=seed, optimizer=make_optimizer)
+    return apply(fn, plan, mesh, state_dict=state_dict, seed=seed, optimizer=make_optimizer, compile=compile)

@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=4, help="CPU ranks (gloo)")
     parser.add_argument("--mesh", default=None, help="mesh shape, default: the number of ranks (1-D)")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--compile", action="store_true", help="train with the local program compiled by inductor")
     parser.add_argument("--memory", default=None, help="per-rank budget, e.g. 200MiB (default: none)")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     _section(f"4/4 train {args.steps} steps on {args.nproc} gloo ranks (torchrun), verify predictions")
     from cauto.cli.run import run_torchrun, torchrun_command
 
-    cmd = torchrun_command(DEMO_TARGET, str(out / "plan.json"), args.nproc, args.steps, True, [])
+    cmd = torchrun_command(DEMO_TARGET, str(out / "plan.json"), args.nproc, args.steps, True, [], compile=args.compile)
     rc = run_torchrun(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if rc == 0:
         write_html(out / "plan.json", out / "graph.json", out / "report.html")

@@ -26,12 +26,14 @@ STEP_LINE = re.compile(r"^step (\d+)/(\d+) loss (\S+) time (\S+) s$")
 
 
 def torchrun_command(target: str, plan: str, nproc: int, steps: int, verify: bool, extra: list[str],
-                     launch_args: list[str] | None = None) -> list[str]:
+                     launch_args: list[str] | None = None, compile: bool = False) -> list[str]:
     """The torchrun command line that runs ``target`` with ``plan`` on ``nproc`` local processes."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), *extra,
            "-m", "cauto.runtime.launch", target, "--plan", plan, "--steps", str(steps)]
     if verify:
         cmd.append("--verify")
+    if compile:
+        cmd.append("--compile")
     return cmd + list(launch_args or [])
 
 
@@ -74,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verify", action="store_true", help="print predicted vs measured collectives and peak")
     parser.add_argument("--batch", type=int, help="passed to the factory as batch= (as for `cauto profile`)")
     parser.add_argument("--seq", type=int, help="passed to the factory as seq= (as for `cauto profile`)")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile the local program (forward and backward graphs) with inductor")
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
@@ -86,4 +90,5 @@ def main(argv: list[str] | None = None) -> int:
         print("cauto run: --nproc must be at least 1", file=sys.stderr)
         return 2
     sizes = [f"--{k}={v}" for k, v in (("batch", args.batch), ("seq", args.seq)) if v is not None]
-    return run_torchrun(torchrun_command(args.target, args.plan, args.nproc, args.steps, args.verify, extra, sizes))
+    return run_torchrun(torchrun_command(args.target, args.plan, args.nproc, args.steps, args.verify, extra, sizes,
+                                         compile=args.compile))
