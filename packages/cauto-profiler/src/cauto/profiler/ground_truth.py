@@ -25,6 +25,7 @@ import torch.utils._pytree as pytree
 import torch.utils.checkpoint
 
 from cauto.profiler.capture import LossWrapper, split_inputs
+from cauto.profiler.memory_session import memory_session
 from cauto.profiler.training import cast_inputs, make_optimizer, run_steps, unique_storage_bytes
 
 _PREFIX = "cauto_phase:"
@@ -95,7 +96,7 @@ def measure(fn: Callable, *, train: bool = True, optimizer: str = "adamw", dtype
             ranges.append(rf)
 
     gc.collect()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+    with memory_session() as prof:
         run_steps(forward, opt, steps=steps, train=train, mark=mark)
     return _analyse(prof, baseline)
 

@@ -27,15 +27,14 @@ are not run (too slow or too big to ask); the profile counts them as not modelle
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
-import sys
 from dataclasses import dataclass
 
 import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
+
+from cauto.profiler.memory_session import quiet_fd2
 
 _aten = torch.ops.aten
 
@@ -96,7 +95,7 @@ def _measure(func, args, kwargs) -> KernelAllocs | None:
         real_args, real_kwargs = pytree.tree_map_only(torch.Tensor, _real, (args, kwargs))
         holder: list = []
         session = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
-        with torch._C._AutoDispatchBelowAutograd(), torch._C._DisableAutocast(), _quiet_stderr(), session as prof:
+        with torch._C._AutoDispatchBelowAutograd(), torch._C._DisableAutocast(), quiet_fd2(), session as prof:
             try:
                 holder.append(func(*real_args, **real_kwargs))
             except Exception:  # noqa: BLE001 - an op the zero-filled stand-ins cannot run: not modelled
@@ -178,22 +177,3 @@ def _key(x):
     if isinstance(x, float) and x != x:
         return "nan"
     return (type(x), x) if isinstance(x, (int, float, bool)) else x
-
-
-@contextlib.contextmanager
-def _quiet_stderr():
-    """Silence the lines kineto prints to fd 2 when a profiler session starts and stops."""
-    try:
-        sys.stderr.flush()
-        saved = os.dup(2)
-        devnull = os.open(os.devnull, os.O_WRONLY)
-    except OSError:  # no real fd 2 (embedded interpreters): let it print
-        yield
-        return
-    os.dup2(devnull, 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)

@@ -272,6 +272,17 @@ def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, 
         module.optimizer = chunked_opt
         return module
     executable = execute.build(cap, plan, mesh, device, propagation)
+    nested = [i for i, r in enumerate((plan.checkpoint or {}).get("regions", [])) if r.get("children")]
+    if nested and lowering == "local":
+        if compile:
+            raise PlanMismatchError(
+                f"compile=True needs the local program, and checkpoint region {nested[0]} of this plan has nested "
+                "regions, which the local program recomputes once where the plan counts each level; run without "
+                "compile, or plan with --checkpoint none|chen")
+        # The local program's partition recomputes a region op once; the plan's predictions count a nested
+        # region's ops once per level (torch.utils.checkpoint within checkpoint): the interpreter runs
+        # what the plan predicts.
+        lowering = "dtensor"
     if lowering == "local":
         _replicated_as_plain(model, mesh)
     lowered = LocalProgram(executable.module, mesh, compile=compile) if lowering == "local" else None

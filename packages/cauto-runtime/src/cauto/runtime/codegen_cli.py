@@ -42,7 +42,46 @@ def generate(target, plan_path: str) -> str:
     cap = capture(target)
     chunked = {pid for pid, entry in plan.params.items() if entry.get("state") == "chunked"}
     check_fits(cap, plan, mesh, chunked_ok=bool(chunked) and not is_pure_data_parallel(plan))
-    return render(execute.build(cap, plan, mesh, torch.device("cpu"), chunked=chunked), plan)
+    executable = execute.build(cap, plan, mesh, torch.device("cpu"), chunked=chunked)
+    lowered = None if chunked else local_program_of(cap, plan, mesh, executable)
+    return render(executable, plan, lowered)
+
+
+def local_program_of(cap, plan, mesh, executable):
+    """The plan's local program, traced from metadata alone (parameters on meta), as ``apply`` lowers it."""
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from cauto.runtime.dist_utils import local_slices, to_placements
+    from cauto.runtime.lowering import LocalProgram
+
+    state, inputs = [], []
+    for node in cap.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        kind, _ = cap.placeholders[node.name]
+        val = node.meta["val"]
+        if kind == "input":
+            inputs.append((tuple(val.shape), val.dtype))
+            continue
+        pid = node.name if node.name in plan.params else cap.tied.get(node.name)
+        placements = to_placements(tuple(plan.params[pid]["placements"])) if kind == "param" and pid in plan.params \
+            else (Replicate(),) * mesh.ndim
+        shape = tuple(val.shape)
+        local_shape = tuple(s.stop - s.start for s in local_slices(shape, placements, mesh))
+        local = torch.empty(local_shape, dtype=val.dtype, device="meta")
+        dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
+                                stride=torch.empty(shape, device="meta").stride())
+        state.append(torch.nn.Parameter(dt, requires_grad=kind == "param") if kind == "param" else dt)
+    every_replicated = all(all(isinstance(q, Replicate) for q in x.placements) for x in state
+                           if isinstance(x, torch.nn.Parameter))
+    plain = {i for i, x in enumerate(state) if isinstance(x, torch.nn.Parameter)} if every_replicated else set()
+    if plain:  # data parallel: the runtime keeps these parameters plain (apply._replicated_as_plain)
+        state = [torch.nn.Parameter(x._local_tensor, requires_grad=True) if i in plain else x
+                 for i, x in enumerate(state)]
+    lowered = LocalProgram(executable.module, mesh, plain=plain)
+    lowered.prepare(state, inputs)
+    return lowered
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -238,9 +238,11 @@ class LocalProgram(torch.nn.Module):
 
     @staticmethod
     def _fake_like(x, device: torch.device | None = None):
+        """A fake tensor like ``x``; a meta ``x`` (codegen: nothing materialized) becomes one on ``device``."""
         if isinstance(x, DTensor):
-            local = torch.empty_strided(x._local_tensor.shape, x._local_tensor.stride(), dtype=x.dtype,
-                                        device=x._local_tensor.device)
+            dev = x._local_tensor.device
+            dev = device if device is not None and dev.type == "meta" else dev
+            local = torch.empty_strided(x._local_tensor.shape, x._local_tensor.stride(), dtype=x.dtype, device=dev)
             out = DTensor.from_local(local, x.device_mesh, x.placements, run_check=False, shape=x.shape,
                                      stride=x.stride())
         elif isinstance(x, torch.Tensor):
@@ -251,8 +253,8 @@ class LocalProgram(torch.nn.Module):
         return out.requires_grad_(x.requires_grad)
 
     def _lower(self):
-        from functorch.compile import make_boxed_func
         from torch._functorch.aot_autograd import aot_function
+        from torch.fx.graph import _BoxedCodeGen
 
         from cauto.runtime.execute import compile_with_comments
 
@@ -260,13 +262,20 @@ class LocalProgram(torch.nn.Module):
             def compiler(gm: torch.fx.GraphModule, example_inputs):
                 _drop_dead_ops(gm)
                 self.collectives[kind] = annotate_collectives(gm, self.mesh)
+                compiled = None
+                if self.compile:
+                    from torch._inductor.compile_fx import compile_fx_inner
+                    compiled = compile_fx_inner(gm, example_inputs, is_backward=kind == "backward")
+                # Boxed: the graph takes its inputs as one list and clears it as it starts, so each saved
+                # activation is freed at its last use in backward, not when the whole backward returns.
+                gm.graph.set_codegen(_BoxedCodeGen())
                 compile_with_comments(gm)
                 self.graphs[kind] = gm
-                python = make_boxed_func(gm.forward)  # no module hooks: the step is one call of LocalProgram
-                if not self.compile:
+                def python(args, forward=gm.forward):
+                    return forward(args)  # directly: no module hooks, the step is one call of LocalProgram
+                python._boxed_call = True
+                if compiled is None:
                     return python
-                from torch._inductor.compile_fx import compile_fx_inner
-                compiled = compile_fx_inner(gm, example_inputs, is_backward=kind == "backward")
 
                 def run(args):
                     # While tracing (fake tensors, no data) the graph runs as Python: compiled kernels

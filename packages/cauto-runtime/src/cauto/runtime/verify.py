@@ -24,6 +24,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
+from cauto.profiler.memory_session import memory_session
 from cauto.runtime.dist_utils import local_slices, to_placements
 
 _OP_NAMES = {"all_gather_into_tensor": "all_gather", "all_gather": "all_gather", "allgather_": "all_gather",
@@ -92,7 +93,7 @@ def measured_peak_bytes(step, module, optimizer, repeats: int = 2) -> int:
     peaks = []
     for _ in range(max(1, repeats)):
         base = live_state_bytes(module, optimizer) + input_shard_bytes(module)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        with memory_session() as prof:
             step()
         peaks.append(base + allocation_peak(prof, steady_state=True))
     return min(peaks)
