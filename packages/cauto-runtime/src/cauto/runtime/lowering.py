@@ -182,7 +182,7 @@ class LocalProgram(torch.nn.Module):
         self.grad_placements: dict[int, tuple] = {}
         self.compile = compile
         self._lowered: dict[tuple, object] = {}
-        #: the graphs of the most recent lowering: {"forward": GraphModule, "backward": GraphModule}
+        #: the graphs of the training lowering ({"forward", "backward"}), and "inference" once traced without grad
         self.graphs: dict[str, torch.fx.GraphModule] = {}
         #: collectives of the most recent lowering, per graph (op, mesh axis, bytes, node)
         self.collectives: dict[str, list[dict]] = {}
@@ -225,7 +225,7 @@ class LocalProgram(torch.nn.Module):
             try:
                 fakes = [self._fake_like(a, input_device) for a in args]
                 key = self._key(fakes)
-                fn = self._lowered[key] = self._lower()
+                fn = self._lowered[key] = self._lower(training=grad)
                 outs = fn(*fakes)
                 # AOTAutograd lowers the backward at its first run: run it here on the fakes (their
                 # gradients are thrown away with them).
@@ -252,7 +252,7 @@ class LocalProgram(torch.nn.Module):
             return x
         return out.requires_grad_(x.requires_grad)
 
-    def _lower(self):
+    def _lower(self, training: bool = True):
         from torch._functorch.aot_autograd import aot_function
         from torch.fx.graph import _BoxedCodeGen
 
@@ -285,7 +285,8 @@ class LocalProgram(torch.nn.Module):
                 return run
             return compiler
 
-        self.graphs, self.collectives = {}, {}
+        if training:  # the graphs shown are the training step's; an evaluation trace adds "inference"
+            self.graphs, self.collectives = {}, {}
         self.traces += 1
         program, plain, mesh, placements = self.program, self.plain, self.mesh, self.grad_placements
 
@@ -299,13 +300,13 @@ class LocalProgram(torch.nn.Module):
             from torch._inductor.decomposition import select_decomp_table
             decompositions = select_decomp_table()
         return aot_function(step, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
-                            inference_compiler=keep("forward"), partition_fn=_partition_with_regions,
+                            inference_compiler=keep("inference"), partition_fn=_partition_with_regions,
                             decompositions=decompositions)
 
     def code(self) -> str:
         """Source of the lowered graphs (forward, then backward once traced), as they run."""
         parts = []
-        for kind in ("forward", "backward"):
+        for kind in ("forward", "backward", "inference"):
             gm = self.graphs.get(kind)
             if gm is not None:
                 parts.append(f"class Local{kind.title()}(torch.nn.Module):\n"
