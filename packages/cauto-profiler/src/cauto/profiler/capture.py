@@ -119,6 +119,9 @@ class Capture:
     sym_values: dict = field(default_factory=dict)
     #: how the repeated blocks were captured: 'stamped model.layers.3..31 from model.layers.2' or why not
     stamping: str = ""
+    #: example inputs that hold no tensor (CLIP's ``return_loss=True``), by position (int) or keyword (str):
+    #: constants of the capture, not graph inputs (the graph was traced with these values)
+    constants: dict = field(default_factory=dict)
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -208,7 +211,9 @@ def capture(fn: ModelFactory, *, stamp: bool | None = None) -> Capture:
                                    + "; ".join(diff))
             note += " (verified)"
         exported = whole
+    constants = _drop_constant_inputs(exported, args, kwargs)
     cap = Capture(exported, model, args, kwargs, *_placeholders(exported))
+    cap.constants = constants
     cap.sym_values = _data_dependent_sizes(exported)
     cap.stamping = note
     return cap
@@ -284,6 +289,38 @@ def _custom_function_message(cls: type, module: str) -> str:
                 "plain torch code whose autodiff is the gradient you want (straight-through rounding: "
                 "x + (torch.round(x) - x).detach()), or keep it outside the model you give cauto")
     return f"custom torch.autograd.Function {qualname} called in {where}: {what}"
+
+
+def _drop_constant_inputs(exported: torch.export.ExportedProgram, args: tuple, kwargs: dict) -> dict:
+    """Remove the graph inputs that hold no tensor and return the example inputs they came from.
+
+    torch.export keeps a placeholder for every leaf of the inputs, but specializes the program on the
+    value of a non-tensor one (a bool, int, float, string or None): no node uses it. Left in, it would
+    be a graph-document input with no outputs. Returns {position or keyword: value} for each top-level
+    example input without a tensor in it (``Capture.constants``).
+    """
+    graph = exported.graph
+    placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    specs = exported.graph_signature.input_specs
+    kept = []
+    for spec in specs:
+        node = placeholders[spec.arg.name]
+        if spec.kind == InputKind.USER_INPUT and not isinstance(node.meta.get("val"), torch.Tensor):
+            if node.users:
+                raise CaptureError(f"input {spec.arg.name!r} holds no tensor but the graph uses it "
+                                   f"({node.meta.get('val')!r}); pass it as a tensor or make it a constant")
+            graph.erase_node(node)
+        else:
+            kept.append(spec)
+    if len(kept) != len(specs):
+        specs[:] = kept
+        exported.graph_module.recompile()
+
+    def constant(value: object) -> bool:
+        return not any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(value))
+
+    return {**{i: v for i, v in enumerate(args) if constant(v)},
+            **{k: v for k, v in kwargs.items() if constant(v)}}
 
 
 def _lazy_recompiles():

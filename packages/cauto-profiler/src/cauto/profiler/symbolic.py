@@ -846,7 +846,7 @@ class _Executor:
 def _fake_state(cap: Capture, mode: FakeTensorMode | None) -> tuple[dict, list, list]:
     """Fake tensors for every placeholder, sharing storage where the model's tensors do."""
     exported = cap.exported
-    user_inputs = [t for t in pytree.tree_leaves((cap.args, cap.kwargs))]
+    user_inputs = [t for t in pytree.tree_leaves((cap.args, cap.kwargs)) if isinstance(t, torch.Tensor)]
     specs = exported.graph_signature.input_specs
     placeholders = [n for n in cap.graph.nodes if n.op == "placeholder"]
     env: dict = {}

@@ -267,5 +267,20 @@ def hf_bert(batch: int = 2, seq: int = 32, vocab: int = 256, dim: int = 64, laye
     return BertForMaskedLM(config), _hf_tokens(batch, seq, vocab)
 
 
+def hf_clip(batch: int = 4, seq: int = 16, vocab: int = 99, dim: int = 32, layers: int = 2, heads: int = 4,
+            image: int = 32, patch: int = 8):
+    """Stock transformers CLIPModel (a dual encoder) from a config, trained with its contrastive loss:
+    the inputs carry ``return_loss=True``, a non-tensor input (a constant of the capture)."""
+    from transformers import CLIPConfig, CLIPModel
+
+    encoder = dict(hidden_size=dim, intermediate_size=2 * dim, num_hidden_layers=layers, num_attention_heads=heads,
+                   attention_dropout=0.0)
+    config = CLIPConfig(text_config=dict(encoder, vocab_size=vocab, max_position_embeddings=seq, eos_token_id=2,
+                                         bos_token_id=1, pad_token_id=0),
+                        vision_config=dict(encoder, image_size=image, patch_size=patch), projection_dim=dim // 2)
+    return CLIPModel(config), {"input_ids": torch.randint(3, vocab, (batch, seq)),
+                               "pixel_values": torch.randn(batch, 3, image, image), "return_loss": True}
+
+
 ZOO = {"mlp": mlp, "cnn": cnn, "gpt": gpt, "llama": llama, "gpt2_small": gpt2_small, "hf_gpt2": hf_gpt2,
-       "hf_llama": hf_llama, "hf_bert": hf_bert, "hf_llama2_7b": hf_llama2_7b}
+       "hf_llama": hf_llama, "hf_bert": hf_bert, "hf_llama2_7b": hf_llama2_7b, "hf_clip": hf_clip}
