@@ -554,17 +554,20 @@ def _build(spec):
 
 def _sdpa_choice_cpu(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs) -> int:
     """What at::_fused_sdp_choice picks on this CPU: asked of torch itself, on uninitialized real
-    tensors with the same sizes, strides and dtypes (cached; storage pages are never touched)."""
+    tensors with the same sizes, strides, dtypes and requires_grad, under the same grad mode (cached;
+    storage pages are never touched). requires_grad matters: CPU flash attention has no gradient for
+    the mask, so eager takes the math path for a float mask that requires grad (T5's and Swin's
+    learned position bias)."""
     def spec(t):
-        return None if t is None else (tuple(t.shape), tuple(t.stride()), t.dtype)
+        return None if t is None else (tuple(t.shape), tuple(t.stride()), t.dtype, t.requires_grad)
 
     key = (spec(q), spec(k), spec(v), spec(attn_mask), float(dropout_p), bool(is_causal),
-           tuple(sorted(kwargs.items())))
+           tuple(sorted(kwargs.items())), torch.is_grad_enabled())
     choice = _CPU_CHOICES.get(key)
     if choice is None:
         with torch._C._DisableTorchDispatch(), torch.utils._python_dispatch._disable_current_modes():
             real = [None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
-                    for t in (q, k, v, attn_mask)]
+                    .requires_grad_(t.requires_grad) for t in (q, k, v, attn_mask)]
             choice = int(torch.ops.aten._fused_sdp_choice.default(*real[:3], real[3], dropout_p, is_causal,
                                                                   **kwargs))
         _CPU_CHOICES[key] = choice

@@ -282,5 +282,32 @@ def hf_clip(batch: int = 4, seq: int = 16, vocab: int = 99, dim: int = 32, layer
                                "pixel_values": torch.randn(batch, 3, image, image), "return_loss": True}
 
 
+def hf_t5(batch: int = 2, seq: int = 16, target: int = 8, vocab: int = 64, dim: int = 32, layers: int = 2,
+          heads: int = 4):
+    """Stock transformers T5ForConditionalGeneration (encoder-decoder) from a config (dropout off).
+    Its learned relative position bias is a float attention mask that requires grad."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(vocab_size=vocab, d_model=dim, d_kv=dim // heads, d_ff=2 * dim, num_layers=layers,
+                      num_decoder_layers=layers, num_heads=heads, dropout_rate=0.0, decoder_start_token_id=0,
+                      pad_token_id=0, eos_token_id=1)
+    return T5ForConditionalGeneration(config), {"input_ids": torch.randint(2, vocab, (batch, seq)),
+                                                "labels": torch.randint(2, vocab, (batch, target))}
+
+
+def hf_swin(batch: int = 2, image: int = 32, dim: int = 16, depths: tuple = (1, 1), heads: tuple = (2, 2),
+            window: int = 4, classes: int = 5):
+    """Stock transformers SwinForImageClassification (hierarchical vision) from a config (dropout and
+    drop path off). Its relative position bias is a float attention mask that requires grad."""
+    from transformers import SwinConfig, SwinForImageClassification
+
+    config = SwinConfig(image_size=image, patch_size=2, embed_dim=dim, depths=list(depths), num_heads=list(heads),
+                        window_size=window, num_labels=classes, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0, drop_path_rate=0.0)
+    return SwinForImageClassification(config), {"pixel_values": torch.randn(batch, 3, image, image),
+                                                "labels": torch.randint(0, classes, (batch,))}
+
+
 ZOO = {"mlp": mlp, "cnn": cnn, "gpt": gpt, "llama": llama, "gpt2_small": gpt2_small, "hf_gpt2": hf_gpt2,
-       "hf_llama": hf_llama, "hf_bert": hf_bert, "hf_llama2_7b": hf_llama2_7b, "hf_clip": hf_clip}
+       "hf_llama": hf_llama, "hf_bert": hf_bert, "hf_llama2_7b": hf_llama2_7b, "hf_clip": hf_clip,
+       "hf_t5": hf_t5, "hf_swin": hf_swin}
