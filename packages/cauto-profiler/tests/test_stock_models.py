@@ -28,6 +28,38 @@ def test_learned_position_bias_models_profile_with_eagers_kernel(name):
     as eager does (before: CaptureError, flash attention is not differentiable w.r.t. attn_mask)."""
     fn = zoo.ZOO[name]
     prof = profile(fn)
+    graph = measure(fn, run="graph")
     eager = measure(fn)
-    # T5: +0.26% (traced T5 builds its masks another way); Swin: +1.2% (convolution layout, not yet modelled)
-    assert abs(prof.peak_bytes - eager.peak_bytes) <= 0.015 * eager.peak_bytes
+    assert prof.peak_bytes == graph.peak_bytes
+    if name == "hf_swin":
+        assert prof.peak_bytes == eager.peak_bytes
+    else:
+        # T5 traced takes another path than eager (HF builds its masks differently under tracing):
+        # +2064 bytes (+0.26%) on this machine; the profiler is exact against the traced graph
+        assert abs(prof.peak_bytes - eager.peak_bytes) <= 0.003 * eager.peak_bytes
+
+
+def test_convnext_peak_is_the_eager_peak():
+    """oneDNN convolutions keep a channels-last input channels-last (the meta kernel says contiguous);
+    the layout decides what ConvNeXt's depthwise convolutions' backward allocates (before: -44%)."""
+    prof = profile(zoo.hf_convnext)
+    assert prof.peak_bytes == measure(zoo.hf_convnext).peak_bytes
+
+
+def test_channels_last_convolution_output_keeps_the_real_layout():
+    """Two depthwise convolutions of a channels-last input: the second one's input (the first one's
+    output) is channels-last for real, and its backward allocates by that layout."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1 = torch.nn.Conv2d(16, 16, 7, padding=3, groups=16)
+            self.conv2 = torch.nn.Conv2d(16, 16, 7, padding=3, groups=16)
+
+        def forward(self, x):
+            return self.conv2(self.conv1(x.permute(0, 3, 1, 2))).sum()
+
+    def fn():
+        return Net(), torch.randn(2, 8, 8, 16)
+
+    prof = profile(fn)
+    assert prof.peak_bytes == measure(fn).peak_bytes

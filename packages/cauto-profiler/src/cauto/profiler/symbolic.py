@@ -398,8 +398,11 @@ class _Tracker(TorchDispatchMode):
             self.on_backward(node)
         if func.is_view and func is not _LIFT_FRESH:  # torch.tensor(...) literals arrive by lift_fresh
             return out
-        if not (self.ask_kernels and func in KERNELS and self._kernel_allocs(func, args, kwargs, out, node)):
+        asked = self._kernel_allocs(func, args, kwargs, out, node) if self.ask_kernels and func in KERNELS else None
+        if asked is None:
             self._register_outputs(out, node)
+        else:
+            out = asked
         if self.pending:
             self._momentary(self.pending, node)
         if self.count_costs and self.step == 1 and self.phase in ("forward", "backward"):
@@ -418,9 +421,15 @@ class _Tracker(TorchDispatchMode):
         elif isinstance(out, torch.Tensor):
             self.register(out, node)
 
-    def _kernel_allocs(self, func, args, kwargs, out, node) -> bool:
+    def _kernel_allocs(self, func, args, kwargs, out, node):
         """A kernel that allocates inside itself: its measured in-call peak, then its outputs with
-        their real storage bytes. False when it could not be asked (the caller registers as usual)."""
+        their real storage bytes and strides; returns the outputs (None when it could not be asked:
+        the caller registers them as usual).
+
+        The real kernel's strides replace the meta kernel's where they differ: a oneDNN convolution
+        of a channels-last input returns a channels-last output, where the meta kernel says
+        contiguous, and the layout decides what the next kernels allocate (ConvNeXt's depthwise
+        convolutions' backward)."""
         formula = FLOP_FORMULAS.get(func._overloadpacket)
         try:
             flops = formula(*args, out_val=out, **kwargs) if formula is not None else 0
@@ -429,13 +438,22 @@ class _Tracker(TorchDispatchMode):
         asked = kernel_allocs(func, args, kwargs, out, flops)
         if asked is None:
             self.unasked += 1
-            return False
+            return None
         self.pending = 0  # the measured call already held any wrapped Python numbers
         self._momentary(asked.peak_bytes, node)
+        strides = iter(asked.output_strides)
+
+        def as_real(t):
+            stride = next(strides, None)
+            if stride is None or tuple(t.stride()) == stride:
+                return t
+            return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device)
+
+        out = pytree.tree_map_only(torch.Tensor, as_real, out)
         outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         for t, nbytes in zip(outs, asked.output_bytes):
             self.register(t, node, nbytes)
-        return True
+        return out
 
     def _momentary(self, nbytes: int, node: str | None) -> None:
         """Bytes alive only inside the current kernel (no storage the dispatcher can see)."""

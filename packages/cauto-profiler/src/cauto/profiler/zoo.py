@@ -308,6 +308,29 @@ def hf_swin(batch: int = 2, image: int = 32, dim: int = 16, depths: tuple = (1, 
                                                 "labels": torch.randint(0, classes, (batch,))}
 
 
+def hf_convnext(batch: int = 2, image: int = 32, dims: tuple = (16, 32), depths: tuple = (1, 1), classes: int = 5):
+    """Stock transformers ConvNextForImageClassification from a config (drop path off): depthwise
+    convolutions and layer norms over channels-last permutes."""
+    from transformers import ConvNextConfig, ConvNextForImageClassification
+
+    config = ConvNextConfig(num_stages=len(depths), hidden_sizes=list(dims), depths=list(depths), num_labels=classes,
+                            drop_path_rate=0.0)
+    return ConvNextForImageClassification(config), {"pixel_values": torch.randn(batch, 3, image, image),
+                                                    "labels": torch.randint(0, classes, (batch,))}
+
+
+def hf_resnet(batch: int = 4, image: int = 32, dims: tuple = (16, 32, 64, 128), depths: tuple = (2, 2, 2, 2),
+              classes: int = 5):
+    """Stock transformers ResNetForImageClassification, ResNet-18's layout (basic blocks, 2-2-2-2) at
+    small widths: BatchNorm after every convolution."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    config = ResNetConfig(embedding_size=dims[0], hidden_sizes=list(dims), depths=list(depths), layer_type="basic",
+                          num_labels=classes)
+    return ResNetForImageClassification(config), {"pixel_values": torch.randn(batch, 3, image, image),
+                                                  "labels": torch.randint(0, classes, (batch,))}
+
+
 ZOO = {"mlp": mlp, "cnn": cnn, "gpt": gpt, "llama": llama, "gpt2_small": gpt2_small, "hf_gpt2": hf_gpt2,
        "hf_llama": hf_llama, "hf_bert": hf_bert, "hf_llama2_7b": hf_llama2_7b, "hf_clip": hf_clip,
-       "hf_t5": hf_t5, "hf_swin": hf_swin}
+       "hf_t5": hf_t5, "hf_swin": hf_swin, "hf_convnext": hf_convnext, "hf_resnet": hf_resnet}
