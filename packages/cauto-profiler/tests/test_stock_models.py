@@ -63,3 +63,13 @@ def test_channels_last_convolution_output_keeps_the_real_layout():
 
     prof = profile(fn)
     assert prof.peak_bytes == measure(fn).peak_bytes
+
+
+@pytest.mark.parametrize("name,eager_error", [("hf_resnet", 0.0), ("hf_clip", 0.008)])
+def test_resnet_and_clip_peaks(name, eager_error):
+    """Exact against the traced graph; CLIP +0.71% against eager (its traced masks differ)."""
+    fn = zoo.ZOO[name]
+    prof = profile(fn)
+    assert prof.peak_bytes == measure(fn, run="graph").peak_bytes
+    eager = measure(fn).peak_bytes
+    assert abs(prof.peak_bytes - eager) <= eager_error * eager
