@@ -41,6 +41,11 @@ class CaptureError(RuntimeError):
     """The model could not be captured; the message says why and what to do."""
 
 
+class CustomFunctionError(CaptureError):
+    """The model calls a custom ``torch.autograd.Function``, which capture cannot keep (see
+    :func:`refuse_autograd_functions`)."""
+
+
 def loss_of(output: object) -> torch.Tensor:
     """The training loss of a model output (see module docstring)."""
     loss = getattr(output, "loss", None)
@@ -114,6 +119,9 @@ class Capture:
     sym_values: dict = field(default_factory=dict)
     #: how the repeated blocks were captured: 'stamped model.layers.3..31 from model.layers.2' or why not
     stamping: str = ""
+    #: example inputs that hold no tensor (CLIP's ``return_loss=True``), by position (int) or keyword (str):
+    #: constants of the capture, not graph inputs (the graph was traced with these values)
+    constants: dict = field(default_factory=dict)
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -203,7 +211,9 @@ def capture(fn: ModelFactory, *, stamp: bool | None = None) -> Capture:
                                    + "; ".join(diff))
             note += " (verified)"
         exported = whole
+    constants = _drop_constant_inputs(exported, args, kwargs)
     cap = Capture(exported, model, args, kwargs, *_placeholders(exported))
+    cap.constants = constants
     cap.sym_values = _data_dependent_sizes(exported)
     cap.stamping = note
     return cap
@@ -212,9 +222,13 @@ def capture(fn: ModelFactory, *, stamp: bool | None = None) -> Capture:
 def _export(wrapper: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
     """torch.export of the loss wrapper (checkpointed regions marked); CaptureError saying why not."""
     try:
-        with _mark_checkpoints(), _lazy_recompiles():
+        with refuse_autograd_functions(wrapper), _mark_checkpoints(), _lazy_recompiles():
             return torch.export.export(wrapper, args, kwargs, strict=False)
+    except CaptureError:
+        raise
     except Exception as exc:  # torch raises many types here; the message is what the user needs
+        if isinstance(exc.__cause__, CustomFunctionError):
+            raise exc.__cause__ from None
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         hint = ""
         if "data-dependent" in str(exc).lower() or "guard" in str(exc).lower():
@@ -224,6 +238,89 @@ def _export(wrapper: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export
                     "apply before capture: make the size static or use torch._check (ops with data-dependent "
                     "output sizes such as nonzero/masked_select are fine: see cauto.profiler.size_hint)")
         raise CaptureError(f"torch.export could not capture the model: {first}{hint}") from exc
+
+
+@contextlib.contextmanager
+def refuse_autograd_functions(wrapper: torch.nn.Module):
+    """While exporting, raise CustomFunctionError at the first ``torch.autograd.Function.apply``.
+
+    torch.export (non-strict) runs a Function's forward and records its ATen ops, so the graph's
+    backward would be autodiff of the forward, not the Function's own ``backward`` (a straight-through
+    estimator would silently train another model). Capture cannot keep a Function as one node (the
+    profiler, the solver and the runtime all work on ATen ops), so it refuses the model by the
+    Function's name and the module that calls it.
+    """
+    function = torch.autograd.Function
+    original = function.__dict__["apply"]
+    names = {id(m): name for name, m in wrapper.named_modules()}
+
+    def refuse(cls, *args, **kwargs):
+        raise CustomFunctionError(_custom_function_message(cls, _calling_module(names)))
+
+    function.apply = classmethod(refuse)
+    try:
+        yield
+    finally:
+        function.apply = original
+
+
+def _calling_module(names: dict[int, str]) -> str:
+    """The model's module whose code is running (innermost frame whose ``self`` is one of them)."""
+    import sys
+
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = names.get(id(frame.f_locals.get("self")))
+        if name is not None:
+            return "" if name in ("", _WRAPPER) else _strip(name)
+        frame = frame.f_back
+    return ""
+
+
+def _custom_function_message(cls: type, module: str) -> str:
+    qualname = f"{cls.__module__}.{cls.__qualname__}"
+    where = f"module {module!r}" if module else "the model's top-level forward"
+    if cls.__qualname__ == "CheckpointFunction" and cls.__module__ == "torch.utils.checkpoint":
+        what = ("reentrant torch.utils.checkpoint is a custom autograd.Function: call "
+                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False) (or gradient_checkpointing_enable("
+                "gradient_checkpointing_kwargs={'use_reentrant': False}) on a Hugging Face model)")
+    else:
+        what = ("cauto keeps no custom backward and will not replace it by autodiff of its forward; write it as "
+                "plain torch code whose autodiff is the gradient you want (straight-through rounding: "
+                "x + (torch.round(x) - x).detach()), or keep it outside the model you give cauto")
+    return f"custom torch.autograd.Function {qualname} called in {where}: {what}"
+
+
+def _drop_constant_inputs(exported: torch.export.ExportedProgram, args: tuple, kwargs: dict) -> dict:
+    """Remove the graph inputs that hold no tensor and return the example inputs they came from.
+
+    torch.export keeps a placeholder for every leaf of the inputs, but specializes the program on the
+    value of a non-tensor one (a bool, int, float, string or None): no node uses it. Left in, it would
+    be a graph-document input with no outputs. Returns {position or keyword: value} for each top-level
+    example input without a tensor in it (``Capture.constants``).
+    """
+    graph = exported.graph
+    placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    specs = exported.graph_signature.input_specs
+    kept = []
+    for spec in specs:
+        node = placeholders[spec.arg.name]
+        if spec.kind == InputKind.USER_INPUT and not isinstance(node.meta.get("val"), torch.Tensor):
+            if node.users:
+                raise CaptureError(f"input {spec.arg.name!r} holds no tensor but the graph uses it "
+                                   f"({node.meta.get('val')!r}); pass it as a tensor or make it a constant")
+            graph.erase_node(node)
+        else:
+            kept.append(spec)
+    if len(kept) != len(specs):
+        specs[:] = kept
+        exported.graph_module.recompile()
+
+    def constant(value: object) -> bool:
+        return not any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(value))
+
+    return {**{i: v for i, v in enumerate(args) if constant(v)},
+            **{k: v for k, v in kwargs.items() if constant(v)}}
 
 
 def _lazy_recompiles():

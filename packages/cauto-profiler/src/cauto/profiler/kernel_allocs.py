@@ -21,7 +21,9 @@ the same sizes, strides, dtypes and requires_grad, the same non-tensor arguments
 thread count (below autograd and autocast, as the real call runs), and reads the allocator's events
 (torch.profiler memory events, like the ground truth). The answer is cached per key. Every buffer
 seen is freed before the kernel returns, so one number describes it: the highest bytes the call
-had allocated at once (its outputs included). Calls above :data:`MAX_FLOPS` or :data:`MAX_BYTES`
+had allocated at once (its outputs included). The real outputs' strides come back too: the tracker
+gives the outputs the real kernel's layout where the meta kernel's differs (a oneDNN convolution of
+a channels-last input is channels-last; the meta kernel says contiguous). Calls above :data:`MAX_FLOPS` or :data:`MAX_BYTES`
 are not run (too slow or too big to ask); the profile counts them as not modelled.
 """
 
@@ -66,6 +68,7 @@ class KernelAllocs:
 
     peak_bytes: int  #: most bytes it had allocated at once, its outputs included
     output_bytes: tuple[int | None, ...]  #: storage bytes of each output tensor (pytree leaf order)
+    output_strides: tuple[tuple[int, ...], ...]  #: strides of each output tensor (the real kernel's layout)
     retained_bytes: int  #: bytes it left allocated that are not its outputs' storages (0 when seen)
 
 
@@ -119,7 +122,7 @@ def _measure(func, args, kwargs) -> KernelAllocs | None:
             if n is not None:
                 fresh[ptr] = n
         retained = live - sum(fresh.values())
-    return KernelAllocs(peak, tuple(output_bytes), retained)
+    return KernelAllocs(peak, tuple(output_bytes), tuple(tuple(t.stride()) for t in outs), retained)
 
 
 def cpu_description() -> str:

@@ -52,7 +52,7 @@ from torch.export.graph_signature import (
     TensorArgument,
 )
 
-from cauto.profiler.capture import CHECKPOINT_KEY
+from cauto.profiler.capture import CHECKPOINT_KEY, CaptureError
 
 #: stamping needs at least one block beyond the three exported ones
 MIN_REPEATS = 4
@@ -561,6 +561,8 @@ def stamped_export(wrapper: nn.Module, export: Callable[[], ExportedProgram]) ->
         program = stamp(ep3, lay3, per, total, wrapper).program(ep3)
     except NoStamp as why:
         return None, f"not stamped ({path}): {why}"
+    except CaptureError:  # the model itself cannot be captured (a custom autograd.Function): say so now
+        raise
     except Exception as exc:  # noqa: BLE001 - a short export that fails falls back to the whole model
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         return None, f"not stamped ({path}): {type(exc).__name__}: {first[:200]}"

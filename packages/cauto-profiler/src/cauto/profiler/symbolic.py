@@ -398,8 +398,11 @@ class _Tracker(TorchDispatchMode):
             self.on_backward(node)
         if func.is_view and func is not _LIFT_FRESH:  # torch.tensor(...) literals arrive by lift_fresh
             return out
-        if not (self.ask_kernels and func in KERNELS and self._kernel_allocs(func, args, kwargs, out, node)):
+        asked = self._kernel_allocs(func, args, kwargs, out, node) if self.ask_kernels and func in KERNELS else None
+        if asked is None:
             self._register_outputs(out, node)
+        else:
+            out = asked
         if self.pending:
             self._momentary(self.pending, node)
         if self.count_costs and self.step == 1 and self.phase in ("forward", "backward"):
@@ -418,9 +421,15 @@ class _Tracker(TorchDispatchMode):
         elif isinstance(out, torch.Tensor):
             self.register(out, node)
 
-    def _kernel_allocs(self, func, args, kwargs, out, node) -> bool:
+    def _kernel_allocs(self, func, args, kwargs, out, node):
         """A kernel that allocates inside itself: its measured in-call peak, then its outputs with
-        their real storage bytes. False when it could not be asked (the caller registers as usual)."""
+        their real storage bytes and strides; returns the outputs (None when it could not be asked:
+        the caller registers them as usual).
+
+        The real kernel's strides replace the meta kernel's where they differ: a oneDNN convolution
+        of a channels-last input returns a channels-last output, where the meta kernel says
+        contiguous, and the layout decides what the next kernels allocate (ConvNeXt's depthwise
+        convolutions' backward)."""
         formula = FLOP_FORMULAS.get(func._overloadpacket)
         try:
             flops = formula(*args, out_val=out, **kwargs) if formula is not None else 0
@@ -429,13 +438,22 @@ class _Tracker(TorchDispatchMode):
         asked = kernel_allocs(func, args, kwargs, out, flops)
         if asked is None:
             self.unasked += 1
-            return False
+            return None
         self.pending = 0  # the measured call already held any wrapped Python numbers
         self._momentary(asked.peak_bytes, node)
+        strides = iter(asked.output_strides)
+
+        def as_real(t):
+            stride = next(strides, None)
+            if stride is None or tuple(t.stride()) == stride:
+                return t
+            return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device)
+
+        out = pytree.tree_map_only(torch.Tensor, as_real, out)
         outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         for t, nbytes in zip(outs, asked.output_bytes):
             self.register(t, node, nbytes)
-        return True
+        return out
 
     def _momentary(self, nbytes: int, node: str | None) -> None:
         """Bytes alive only inside the current kernel (no storage the dispatcher can see)."""
@@ -554,17 +572,20 @@ def _build(spec):
 
 def _sdpa_choice_cpu(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs) -> int:
     """What at::_fused_sdp_choice picks on this CPU: asked of torch itself, on uninitialized real
-    tensors with the same sizes, strides and dtypes (cached; storage pages are never touched)."""
+    tensors with the same sizes, strides, dtypes and requires_grad, under the same grad mode (cached;
+    storage pages are never touched). requires_grad matters: CPU flash attention has no gradient for
+    the mask, so eager takes the math path for a float mask that requires grad (T5's and Swin's
+    learned position bias)."""
     def spec(t):
-        return None if t is None else (tuple(t.shape), tuple(t.stride()), t.dtype)
+        return None if t is None else (tuple(t.shape), tuple(t.stride()), t.dtype, t.requires_grad)
 
     key = (spec(q), spec(k), spec(v), spec(attn_mask), float(dropout_p), bool(is_causal),
-           tuple(sorted(kwargs.items())))
+           tuple(sorted(kwargs.items())), torch.is_grad_enabled())
     choice = _CPU_CHOICES.get(key)
     if choice is None:
         with torch._C._DisableTorchDispatch(), torch.utils._python_dispatch._disable_current_modes():
             real = [None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
-                    for t in (q, k, v, attn_mask)]
+                    .requires_grad_(t.requires_grad) for t in (q, k, v, attn_mask)]
             choice = int(torch.ops.aten._fused_sdp_choice.default(*real[:3], real[3], dropout_p, is_causal,
                                                                   **kwargs))
         _CPU_CHOICES[key] = choice
@@ -846,7 +867,7 @@ class _Executor:
 def _fake_state(cap: Capture, mode: FakeTensorMode | None) -> tuple[dict, list, list]:
     """Fake tensors for every placeholder, sharing storage where the model's tensors do."""
     exported = cap.exported
-    user_inputs = [t for t in pytree.tree_leaves((cap.args, cap.kwargs))]
+    user_inputs = [t for t in pytree.tree_leaves((cap.args, cap.kwargs)) if isinstance(t, torch.Tensor)]
     specs = exported.graph_signature.input_specs
     placeholders = [n for n in cap.graph.nodes if n.op == "placeholder"]
     env: dict = {}

@@ -267,5 +267,70 @@ def hf_bert(batch: int = 2, seq: int = 32, vocab: int = 256, dim: int = 64, laye
     return BertForMaskedLM(config), _hf_tokens(batch, seq, vocab)
 
 
+def hf_clip(batch: int = 4, seq: int = 16, vocab: int = 99, dim: int = 32, layers: int = 2, heads: int = 4,
+            image: int = 32, patch: int = 8):
+    """Stock transformers CLIPModel (a dual encoder) from a config, trained with its contrastive loss:
+    the inputs carry ``return_loss=True``, a non-tensor input (a constant of the capture)."""
+    from transformers import CLIPConfig, CLIPModel
+
+    encoder = dict(hidden_size=dim, intermediate_size=2 * dim, num_hidden_layers=layers, num_attention_heads=heads,
+                   attention_dropout=0.0)
+    config = CLIPConfig(text_config=dict(encoder, vocab_size=vocab, max_position_embeddings=seq, eos_token_id=2,
+                                         bos_token_id=1, pad_token_id=0),
+                        vision_config=dict(encoder, image_size=image, patch_size=patch), projection_dim=dim // 2)
+    return CLIPModel(config), {"input_ids": torch.randint(3, vocab, (batch, seq)),
+                               "pixel_values": torch.randn(batch, 3, image, image), "return_loss": True}
+
+
+def hf_t5(batch: int = 2, seq: int = 16, target: int = 8, vocab: int = 64, dim: int = 32, layers: int = 2,
+          heads: int = 4):
+    """Stock transformers T5ForConditionalGeneration (encoder-decoder) from a config (dropout off).
+    Its learned relative position bias is a float attention mask that requires grad."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(vocab_size=vocab, d_model=dim, d_kv=dim // heads, d_ff=2 * dim, num_layers=layers,
+                      num_decoder_layers=layers, num_heads=heads, dropout_rate=0.0, decoder_start_token_id=0,
+                      pad_token_id=0, eos_token_id=1)
+    return T5ForConditionalGeneration(config), {"input_ids": torch.randint(2, vocab, (batch, seq)),
+                                                "labels": torch.randint(2, vocab, (batch, target))}
+
+
+def hf_swin(batch: int = 2, image: int = 32, dim: int = 16, depths: tuple = (1, 1), heads: tuple = (2, 2),
+            window: int = 4, classes: int = 5):
+    """Stock transformers SwinForImageClassification (hierarchical vision) from a config (dropout and
+    drop path off). Its relative position bias is a float attention mask that requires grad."""
+    from transformers import SwinConfig, SwinForImageClassification
+
+    config = SwinConfig(image_size=image, patch_size=2, embed_dim=dim, depths=list(depths), num_heads=list(heads),
+                        window_size=window, num_labels=classes, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0, drop_path_rate=0.0)
+    return SwinForImageClassification(config), {"pixel_values": torch.randn(batch, 3, image, image),
+                                                "labels": torch.randint(0, classes, (batch,))}
+
+
+def hf_convnext(batch: int = 2, image: int = 32, dims: tuple = (16, 32), depths: tuple = (1, 1), classes: int = 5):
+    """Stock transformers ConvNextForImageClassification from a config (drop path off): depthwise
+    convolutions and layer norms over channels-last permutes."""
+    from transformers import ConvNextConfig, ConvNextForImageClassification
+
+    config = ConvNextConfig(num_stages=len(depths), hidden_sizes=list(dims), depths=list(depths), num_labels=classes,
+                            drop_path_rate=0.0)
+    return ConvNextForImageClassification(config), {"pixel_values": torch.randn(batch, 3, image, image),
+                                                    "labels": torch.randint(0, classes, (batch,))}
+
+
+def hf_resnet(batch: int = 4, image: int = 32, dims: tuple = (16, 32, 64, 128), depths: tuple = (2, 2, 2, 2),
+              classes: int = 5):
+    """Stock transformers ResNetForImageClassification, ResNet-18's layout (basic blocks, 2-2-2-2) at
+    small widths: BatchNorm after every convolution."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    config = ResNetConfig(embedding_size=dims[0], hidden_sizes=list(dims), depths=list(depths), layer_type="basic",
+                          num_labels=classes)
+    return ResNetForImageClassification(config), {"pixel_values": torch.randn(batch, 3, image, image),
+                                                  "labels": torch.randint(0, classes, (batch,))}
+
+
 ZOO = {"mlp": mlp, "cnn": cnn, "gpt": gpt, "llama": llama, "gpt2_small": gpt2_small, "hf_gpt2": hf_gpt2,
-       "hf_llama": hf_llama, "hf_bert": hf_bert, "hf_llama2_7b": hf_llama2_7b}
+       "hf_llama": hf_llama, "hf_bert": hf_bert, "hf_llama2_7b": hf_llama2_7b, "hf_clip": hf_clip,
+       "hf_t5": hf_t5, "hf_swin": hf_swin, "hf_convnext": hf_convnext, "hf_resnet": hf_resnet}

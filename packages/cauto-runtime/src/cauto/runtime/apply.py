@@ -106,7 +106,7 @@ class ParallelModule(nn.Module):
         return self.chunked.manager if self.chunked is not None else None
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
-        flat = flat_inputs(args, kwargs, self._kwarg_order, self._input_names)
+        flat = flat_inputs(args, kwargs, self._kwarg_order, self._input_names, self.capture.constants)
         if self.chunked is not None:
             (loss,) = self.chunked.run(self.executable.module, *self._state, *flat)
         elif self.lowered is not None:

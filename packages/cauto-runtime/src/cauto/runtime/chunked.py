@@ -206,11 +206,11 @@ class ChunkedParallelModule(nn.Module):
         return out
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
-        flat = flat_inputs(args, kwargs, self._kwarg_order, self._input_names)
-        flat = self._local(flat)
-        n_args = len(args)
-        local_kwargs = dict(zip([k for k in self._kwarg_order if k in kwargs], flat[n_args:]))
-        loss = loss_of(self.chunked(*flat[:n_args], **local_kwargs))
+        constants = self.capture.constants
+        local = iter(self._local(flat_inputs(args, kwargs, self._kwarg_order, self._input_names, constants)))
+        local_args = [v if i in constants else next(local) for i, v in enumerate(args)]
+        local_kwargs = {k: kwargs[k] if k in constants else next(local) for k in self._kwarg_order if k in kwargs}
+        loss = loss_of(self.chunked(*local_args, **local_kwargs))
         w = self.world_size
         if w == 1:
             return loss

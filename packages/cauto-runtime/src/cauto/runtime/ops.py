@@ -50,7 +50,8 @@ class _GradLayoutOfInput(torch.autograd.Function):
     def backward(ctx, grad):
         if isinstance(grad, DTensor) and grad._local_tensor.stride() != ctx.stride:
             local = grad._local_tensor
-            if len(ctx.stride) == local.dim():
+            # an expanded input (a 0 stride on a dim of size > 1) has no gradient with its strides
+            if len(ctx.stride) == local.dim() and all(st or n == 1 for n, st in zip(local.shape, ctx.stride)):
                 laid = torch.empty_strided(local.shape, ctx.stride, dtype=local.dtype, device=local.device)
                 laid.copy_(local)
                 grad = DTensor.from_local(laid, grad.device_mesh, grad.placements, run_check=False,
