@@ -3,7 +3,10 @@
 Trains the model of factory TARGET ("pkg.module:fn") for K AdamW steps under the plan, on gloo
 (CPU) or NCCL (CUDA), every rank passing the factory's example batch (global-batch mode). Process
 groups get a collective timeout, and a rank that fails prints its error and makes the job exit
-non-zero: a failing rank never leaves the others hanging past the timeout.
+non-zero: a failing rank never leaves the others hanging past the timeout. A collective that fails
+(timed out, or a peer gone) is reported in one line naming it; other errors with their traceback.
+Under `cauto run` each rank keeps a heartbeat (heartbeat.py: phase setup/forward/backward/optimizer,
+step) that the command's watchdog reads to end a stalled job and name the rank.
 
 The optimizer is the one ``apply`` builds (``model.optimizer``): torch's AdamW for a plan that keeps
 state on the device, the chunk manager's ChunkedAdam (AdamW arithmetic) for a plan with chunked
@@ -16,10 +19,40 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
 import time
 import traceback
 from pathlib import Path
+
+from cauto.runtime.heartbeat import Heartbeat
+
+#: torch.distributed functions whose name says which collective a failing call was in
+_COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast", "barrier", "scatter",
+                "gather", "reduce", "send", "recv")
+
+
+def collective_failure(exc: BaseException, timeout_s: float) -> str | None:
+    """One line for an error raised inside a torch.distributed collective (None for any other error):
+    which collective, and whether it timed out or lost a peer."""
+    text = str(exc)
+    name = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if f"torch{os.sep}distributed" in frame.filename:
+            base = frame.name.lstrip("_").removesuffix("_into_tensor").removesuffix("_tensor").removesuffix("_single")
+            if name is None and base in _COLLECTIVES:
+                name = base
+    timed_out = "Timed out" in text or "timed out" in text or "Timeout" in text
+    lost = any(s in text for s in ("Connection closed", "Connection reset", "Broken pipe"))
+    if not (timed_out or lost) or (name is None and "gloo" not in text.lower() and "nccl" not in text.lower()):
+        return None
+    what = f"collective {name}" if name else "a collective"
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    first = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0]  # gloo's "[file.cc:123] " prefix, first sentence
+    why = f"timed out after {timeout_s:g} s (a peer rank stalled or died)" if timed_out and not lost else \
+        "lost a peer (its connection closed: that rank died or was killed)"
+    return f"{what} {why}: {first}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,9 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     from cauto.runtime.verify import format_report, verify_step
 
     rank = 0
+    beat = Heartbeat.from_env()
     try:
         init_distributed(args.timeout_s)
         rank = dist.get_rank()
+        beat.enter("setup")
         plan = load_plan(args.plan)
         mesh = make_mesh(plan.mesh["shape"], plan.mesh["axis_names"])
         fn = bind_sizes(load_target(args.target), {"batch": args.batch, "seq": args.seq})
@@ -64,12 +99,16 @@ def main(argv: list[str] | None = None) -> int:
         opt = model.optimizer
         for step in range(args.steps):
             start = time.perf_counter()
+            beat.enter("forward", step + 1)
             loss = model(*inputs[0], **inputs[1])
+            beat.enter("backward", step + 1)
             loss.backward()
+            beat.enter("optimizer", step + 1)
             opt.step()
             opt.zero_grad()
             if rank == 0:  # `cauto run` draws its step bar from this line (cauto.cli.run.STEP_LINE)
                 print(f"step {step + 1}/{args.steps} loss {loss.item():.5f} time {time.perf_counter() - start:.3f} s", flush=True)
+        beat.enter("verify" if args.verify else "finish")
         if args.verify and (isinstance(model, ChunkedParallelModule) or getattr(model, "manager", None) is not None):
             report = chunk_report(model, inputs)
             if rank == 0:
@@ -91,11 +130,19 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"measured figures written to {measured_path} (cauto explain shows them)", flush=True)
         dist.barrier()
         dist.destroy_process_group()
+        beat.end("done")
         return 0
-    except Exception:
+    except Exception as exc:
         # Exit without waiting for the other ranks: torchrun then stops them, and any rank blocked in
         # a collective with this one fails after the process group's timeout at the latest.
-        print(f"[rank {rank}] cauto launch failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        where = beat.state["phase"] + (f" (step {beat.state['step']})" if beat.state["step"] else "")
+        line = collective_failure(exc, args.timeout_s)
+        if line is not None:
+            print(f"[rank {rank}] {line} in {where}", file=sys.stderr, flush=True)
+        else:
+            line = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            print(f"[rank {rank}] cauto launch failed in {where}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        beat.end("failed", line)
         return 1
 
 

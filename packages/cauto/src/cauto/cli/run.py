@@ -1,6 +1,6 @@
 """`cauto run`: launch the runtime on N local processes through torchrun.
 
-    cauto run TARGET --plan plan.json --nproc 4 [--steps 3] [--verify] [-- <extra torchrun flags>]
+    cauto run TARGET --plan plan.json --nproc 4 [--steps 3] [--verify] [--timeout-s 120] [-- <extra torchrun flags>]
 
 Multi-host jobs pass torchrun's own flags after `--` (``--nnodes 2 --node-rank 0
 --rdzv-endpoint host:port``); everything else is what ``python -m cauto.runtime.launch`` takes.
@@ -9,36 +9,67 @@ Training progress: rank 0 of the launcher prints ``step k/K loss L time T s`` (o
 prints). On a terminal those lines become one redrawn bar with the loss and seconds per step;
 elsewhere the first step, the steps at each 25 % and the last pass through as they are. Every
 other line of the job (the --verify report, errors of any rank) passes through unchanged.
+
+Bounded time: every collective gets ``--timeout-s`` (default 120 s), and a watchdog (watchdog.py)
+reads the ranks' heartbeats: a rank that stops beating for that long (SIGSTOP, frozen) ends the job
+(exit 124) with ``cauto run: rank R stalled in PHASE (step K) for T s; ended the job``, and every
+process of the job is killed. A job that fails by itself (a rank killed, a collective timed out)
+ends with one line naming the rank and phase, or the collective.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from cauto.cli.progress import PhaseBars, is_milestone, is_tty
+from cauto.cli.watchdog import EXIT_STALLED, Watchdog
+from cauto.runtime.heartbeat import ENV_DIR
+
+DEFAULT_TIMEOUT_S = 120.0
 
 STEP_LINE = re.compile(r"^step (\d+)/(\d+) loss (\S+) time (\S+) s$")
 """The launcher's per-step line (cauto.runtime.launch, rank 0)."""
 
 
 def torchrun_command(target: str, plan: str, nproc: int, steps: int, verify: bool, extra: list[str],
-                     launch_args: list[str] | None = None) -> list[str]:
+                     launch_args: list[str] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[str]:
     """The torchrun command line that runs ``target`` with ``plan`` on ``nproc`` local processes."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), *extra,
-           "-m", "cauto.runtime.launch", target, "--plan", plan, "--steps", str(steps)]
+           "-m", "cauto.runtime.launch", target, "--plan", plan, "--steps", str(steps), "--timeout-s", f"{timeout_s:g}"]
     if verify:
         cmd.append("--verify")
     return cmd + list(launch_args or [])
 
 
-def run_torchrun(cmd: list[str], env: dict | None = None, stream=None) -> int:
-    """Run ``cmd`` (a torchrun command line), showing its step lines as progress; return its exit code."""
+def run_torchrun(cmd: list[str], env: dict | None = None, stream=None, *, nproc: int | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
+    """Run ``cmd`` (a torchrun command line of ``nproc`` local ranks) under the watchdog, showing its
+    step lines as progress; return its exit code (EXIT_STALLED when the watchdog ended it)."""
     stream = stream or sys.stdout
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1, env=env)
+    with tempfile.TemporaryDirectory(prefix="cauto-heartbeats-") as beats:
+        if nproc is None:  # the ranks whose first heartbeat the watchdog awaits (none for another command)
+            nproc = int(cmd[cmd.index("--nproc-per-node") + 1]) if "--nproc-per-node" in cmd else 0
+        watchdog = Watchdog(beats, nproc, timeout_s)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1,
+                                env={**(os.environ if env is None else env), ENV_DIR: beats})
+        watchdog.watch(proc, sys.stderr)
+        rc = _follow(proc, stream)
+        watchdog.stop()
+        if watchdog.stall is not None:
+            return EXIT_STALLED
+        if rc not in (0, 130):
+            print(watchdog.verdict(rc), file=sys.stderr, flush=True)
+        return rc
+
+
+def _follow(proc: subprocess.Popen, stream) -> int:
+    """Pass the job's output through (step lines as progress) until it ends; return its exit code."""
     bars = PhaseBars("training", stream) if is_tty(stream) else None
     try:
         for line in proc.stdout:
@@ -74,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verify", action="store_true", help="print predicted vs measured collectives and peak")
     parser.add_argument("--batch", type=int, help="passed to the factory as batch= (as for `cauto profile`)")
     parser.add_argument("--seq", type=int, help="passed to the factory as seq= (as for `cauto profile`)")
+    parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
+                        help="collective timeout, and how long a rank may stall before the job is ended (default 120)")
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
@@ -85,5 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.nproc < 1:
         print("cauto run: --nproc must be at least 1", file=sys.stderr)
         return 2
+    if not 0 < args.timeout_s < float("inf"):
+        print(f"cauto run: --timeout-s {args.timeout_s:g} is not a positive number of seconds", file=sys.stderr)
+        return 2
     sizes = [f"--{k}={v}" for k, v in (("batch", args.batch), ("seq", args.seq)) if v is not None]
-    return run_torchrun(torchrun_command(args.target, args.plan, args.nproc, args.steps, args.verify, extra, sizes))
+    cmd = torchrun_command(args.target, args.plan, args.nproc, args.steps, args.verify, extra, sizes, args.timeout_s)
+    return run_torchrun(cmd, nproc=args.nproc, timeout_s=args.timeout_s)
