@@ -125,3 +125,51 @@ def test_codegen_refuses_a_plan_for_another_model(artifacts, cauto, tmp_path):
     res = cauto("codegen", str(out / "plan.json"), "--target", TARGET, "--batch", "16", "-o", str(tmp_path / "x.py"))
     assert res.returncode == 2 and "profile and solve again" in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "x.py").exists()
+
+
+# --- one front door: every plan check before any rank starts -------------------------------------------
+
+def _edited_plan(out, tmp_path, edit) -> str:
+    plan = json.loads((out / "plan.json").read_text())
+    edit(plan)
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(plan))
+    return str(path)
+
+
+def _one_line_refusal(res, *words) -> None:
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in res.stderr and "[rank" not in res.stderr, res.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+def test_run_checks_world_size_names_and_ranks_before_spawning(artifacts, cauto, tmp_path):
+    out, _, _ = artifacts
+    _one_line_refusal(cauto("run", TARGET, "--plan", str(out / "plan.json"), "--nproc", "1"),
+                      "needs 2 processes, but the job has 1", "--nproc 2")
+    _one_line_refusal(cauto("run", TARGET, "--plan", str(out / "plan.json"), "--nproc", "1", "--", "--nnodes", "3"),
+                      "the job has 3")
+    first_param = next(iter(json.loads((out / "plan.json").read_text())["params"]))
+
+    def s9(plan):
+        plan["params"][first_param]["placements"] = ["S(9)"]
+    _one_line_refusal(cauto("run", TARGET, "--plan", _edited_plan(out, tmp_path, s9), "--nproc", "2"),
+                      f"$.params.{first_param}.placements[0]", "shards dim 9")
+
+    def ghost(plan):
+        plan["nodes"]["ghost"] = next(iter(plan["nodes"].values()))
+    _one_line_refusal(cauto("run", TARGET, "--plan", _edited_plan(out, tmp_path, ghost), "--nproc", "2"),
+                      "$.nodes.ghost", "not in the graph")
+    _one_line_refusal(cauto("run", TARGET, "--plan", str(out / "plan.json"), "--nproc", "2", "--batch", "16"),
+                      "the model changed since planning")
+
+
+def test_explain_refuses_a_graph_of_another_model(artifacts, cauto, tmp_path):
+    out, _, _ = artifacts
+    assert cauto("profile", TARGET, "--batch", "16", "-o", str(tmp_path / "other.json")).returncode == 0
+    res = cauto("explain", str(out / "plan.json"), "--graph", str(tmp_path / "other.json"), "--html",
+                str(tmp_path / "r.html"))
+    _one_line_refusal(res, "cauto explain: error:", "the model changed since planning")
+    assert not (tmp_path / "r.html").exists()

@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from cauto.plan import MismatchError, PlanDocument, load_plan
+from cauto.plan.validate import check_plan_against_graph
 from cauto.profiler.capture import Capture, capture
 from cauto.runtime import execute
 from cauto.runtime.chunked import ChunkedParallelModule, apply_chunked
@@ -136,6 +137,7 @@ def check_fits(cap: Capture, plan: PlanDocument, mesh: DeviceMesh, *, chunked_ok
     if size != world:
         raise PlanMismatchError(f"the plan's mesh {shape} needs {size} processes, but the world size is {world}; "
                                 f"launch with torchrun --nproc-per-node {size}")
+    check_plan_against_graph(plan.to_dict(), cap.structure(), fingerprint)  # names, counts, S(d) within rank
     for section in ("nodes", "params"):
         for node_id, entry in getattr(plan, section).items():
             lists = [entry["placements"]] if section == "params" else entry["inputs"] + entry["outputs"]
@@ -149,9 +151,6 @@ def check_fits(cap: Capture, plan: PlanDocument, mesh: DeviceMesh, *, chunked_ok
             f"state {next(e['state'] for e in plan.params.values() if e['target'] == offloaded[0])!r}); there is no "
             "DTensor program for pure data parallelism with chunked state: apply runs the model as written under the "
             "chunk manager (chunked.py)")
-    missing = [n.name for n in cap.value_nodes() if n.name not in plan.nodes]
-    if missing:
-        raise PlanMismatchError(f"plan.nodes has no entry for {len(missing)} graph nodes (first: {missing[0]!r})")
 
 
 def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, mesh: DeviceMesh, *,

@@ -25,6 +25,7 @@ def generate(target, plan_path: str) -> str:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from cauto.plan import load_plan
+    from cauto.plan.validate import check_plan_against_graph
     from cauto.profiler.capture import capture
     from cauto.runtime import execute
     from cauto.runtime.apply import check_fits
@@ -33,13 +34,14 @@ def generate(target, plan_path: str) -> str:
     from cauto.runtime.dist_utils import make_mesh
 
     plan = load_plan(plan_path)
+    cap = capture(target)  # the plan must belong to this model before anything is built for it
+    check_plan_against_graph(plan.to_dict(), cap.structure(), cap.fingerprint(), source=str(plan_path))
     world = 1
     for s in plan.mesh["shape"]:
         world *= s
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     mesh = make_mesh(plan.mesh["shape"], plan.mesh["axis_names"])
-    cap = capture(target)
     chunked = {pid for pid, entry in plan.params.items() if entry.get("state") == "chunked"}
     check_fits(cap, plan, mesh, chunked_ok=bool(chunked) and not is_pure_data_parallel(plan))
     return render(execute.build(cap, plan, mesh, torch.device("cpu"), chunked=chunked), plan)

@@ -17,7 +17,7 @@ import json
 import re
 import sys
 
-from cauto.plan import DocumentError, dump, load, load_graph
+from cauto.plan import DocumentError, MismatchError, check_plan_matches_graph, dump, load, load_graph
 from cauto.solver.cluster import PRESETS, cluster_for_mesh, parse_mesh
 from cauto.solver.errors import InfeasibleBudgetError, SolverError
 from cauto.solver.offload import OFFLOAD_MODES
@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None, progress=None) -> int:
             args = _explain_parser().parse_args(argv[1:])
             plan = load(args.plan, "plan")
             graph = load(args.graph, "graph") if args.graph else None
+            if graph is not None:
+                check_plan_matches_graph(plan, graph)
             print(explain(plan, graph))
             return 0
         args = _solve_parser().parse_args(argv)
@@ -116,7 +118,7 @@ def main(argv: list[str] | None = None, progress=None) -> int:
     except InfeasibleBudgetError as exc:
         print(f"cauto-solve: {exc}", file=sys.stderr)
         return 2
-    except (SolverError, DocumentError, json.JSONDecodeError, OSError) as exc:
+    except (SolverError, DocumentError, MismatchError, json.JSONDecodeError, OSError) as exc:
         print(f"cauto-solve: error: {exc}", file=sys.stderr)
         return 2
 

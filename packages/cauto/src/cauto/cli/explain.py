@@ -1,5 +1,8 @@
 """`cauto explain PLAN [--graph GRAPH] [--html report.html]`: what the plan does and why.
 
+With --graph the plan must belong to that graph (same fingerprint, its nodes and tensors): a graph
+of another model is refused (exit 2) rather than explained wrongly.
+
 Prints the solver's per-layer placement table and predictions; with --html writes a
 self-contained page: the unsharded memory timeline (from --graph) beside the plan's predicted
 memory per device (check point by check point when --graph is given, else model state +
@@ -15,7 +18,7 @@ import sys
 from pathlib import Path
 
 from cauto.cli.report_html import render_report
-from cauto.plan import DocumentError, MismatchError, load
+from cauto.plan import DocumentError, MismatchError, check_plan_matches_graph, load
 
 
 def measured_for(plan_path: str | Path) -> dict | None:
@@ -98,7 +101,7 @@ def write_html(plan_path: str | Path, graph_path: str | Path | None, html_path: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; exit 2 with a one-line message on bad input."""
+    """Entry point; exit 2 with a one-line message on bad input (a plan for another graph included)."""
     parser = argparse.ArgumentParser(prog="cauto explain", description=__doc__.splitlines()[0])
     parser.add_argument("plan")
     parser.add_argument("--graph", help="the graph.json the plan was solved from (adds the memory timeline)")
@@ -107,20 +110,22 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:
         return 2 if exc.code else 0
-    from cauto.solver.cli import main as solve_main
+    from cauto.solver.summary import explain
 
-    rc = solve_main(["explain", args.plan])
-    if rc:
-        return rc
-    report = measured_for(args.plan)
-    if report:
-        print("\n".join(measured_lines(report)))
-    if not args.html:
-        return 0
     try:
+        plan = load(args.plan, "plan")
+        graph = load(args.graph, "graph") if args.graph else None
+        if graph is not None:
+            check_plan_matches_graph(plan, graph)
+        print(explain(plan, graph))
+        report = measured_for(args.plan)
+        if report:
+            print("\n".join(measured_lines(report)))
+        if not args.html:
+            return 0
         path = write_html(args.plan, args.graph, args.html)
-    except DocumentError as exc:
-        print(f"cauto explain: {exc}", file=sys.stderr)
+    except (DocumentError, MismatchError) as exc:
+        print(f"cauto explain: error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {path}")
     return 0

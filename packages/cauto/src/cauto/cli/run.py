@@ -10,6 +10,11 @@ prints). On a terminal those lines become one redrawn bar with the loss and seco
 elsewhere the first step, the steps at each 25 % and the last pass through as they are. Every
 other line of the job (the --verify report, errors of any rank) passes through unchanged.
 
+One front door: before any rank starts, the plan is validated (schema, sane numbers, mesh),
+checked against ``--nproc`` (times ``--nnodes`` after ``--``) and against the model's capture (the
+fingerprint, node and parameter names, placements within each tensor's rank); any failure exits 2
+with one line.
+
 Bounded time: every collective gets ``--timeout-s`` (default 120 s), and a watchdog (watchdog.py)
 reads the ranks' heartbeats: a rank that stops beating for that long (SIGSTOP, frozen) ends the job
 (exit 124) with ``cauto run: rank R stalled in PHASE (step K) for T s; ended the job``, and every
@@ -90,8 +95,45 @@ def _follow(proc: subprocess.Popen, stream) -> int:
             bars.close(ok=proc.poll() == 0)
 
 
+def _world_size(nproc: int, extra: list[str]) -> int | None:
+    """``nproc`` times torchrun's ``--nnodes`` among ``extra`` (None for an elastic range like 1:4)."""
+    nnodes = "1"
+    for i, arg in enumerate(extra):
+        if arg.startswith("--nnodes="):
+            nnodes = arg.split("=", 1)[1]
+        elif arg == "--nnodes" and i + 1 < len(extra):
+            nnodes = extra[i + 1]
+    return nproc * int(nnodes) if nnodes.isdigit() else None
+
+
+def check_launch(target: str, plan_path: str, world_size: int | None, sizes: dict) -> str | None:
+    """Everything a rank would check, done once here: the plan's document, its mesh against the world
+    size, and the plan against the model's capture. Return the error line, or None when all is well."""
+    from cauto.plan import DocumentError, MismatchError, load
+    from cauto.plan.validate import check_plan_against_graph, check_world_size
+
+    try:
+        plan = load(plan_path, "plan")
+        if world_size is not None:
+            check_world_size(plan, world_size)
+        from cauto.profiler.capture import CaptureError, capture
+        from cauto.profiler.target import UsageError, bind_sizes, load_target
+
+        try:
+            cap = capture(bind_sizes(load_target(target), sizes))
+        except (UsageError, CaptureError) as exc:
+            return f"cauto run: error: {str(exc).strip().splitlines()[0]}"
+        except Exception as exc:  # the user's factory failed: one line, as cauto profile says it
+            return f"cauto run: error: the factory {target} raised {type(exc).__name__}: {str(exc).strip()[:300]}"
+        check_plan_against_graph(plan, cap.structure(), cap.fingerprint(), source=plan_path)
+    except (DocumentError, MismatchError) as exc:
+        return f"cauto run: error: {exc}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Parse arguments, check the plan file exists, run torchrun; return its exit code (2 on bad input)."""
+    """Parse arguments, check the plan against the model and world size, run torchrun; return its exit
+    code (2 on bad input, before any rank starts)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
     if "--" in argv:
@@ -120,6 +162,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not 0 < args.timeout_s < float("inf"):
         print(f"cauto run: --timeout-s {args.timeout_s:g} is not a positive number of seconds", file=sys.stderr)
+        return 2
+    problem = check_launch(args.target, args.plan, _world_size(args.nproc, extra),
+                           {"batch": args.batch, "seq": args.seq})
+    if problem is not None:
+        print(problem, file=sys.stderr)
         return 2
     sizes = [f"--{k}={v}" for k, v in (("batch", args.batch), ("seq", args.seq)) if v is not None]
     cmd = torchrun_command(args.target, args.plan, args.nproc, args.steps, args.verify, extra, sizes, args.timeout_s)
