@@ -173,3 +173,26 @@ def test_explain_refuses_a_graph_of_another_model(artifacts, cauto, tmp_path):
                 str(tmp_path / "r.html"))
     _one_line_refusal(res, "cauto explain: error:", "the model changed since planning")
     assert not (tmp_path / "r.html").exists()
+
+
+# --- truthful messages ------------------------------------------------------------------------------------
+
+def test_help_and_errors_print_no_done_or_failed_line(artifacts, cauto, tmp_path):
+    for command in ("plan", "profile", "codegen"):
+        res = cauto(command, "--help")
+        assert res.returncode == 0 and "usage:" in res.stdout, res.stderr
+        assert "failed:" not in res.stderr and "done:" not in res.stderr, (command, res.stderr)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema_version": "1.0", "kind": "graph", "nodes": [')
+    res = cauto("plan", str(bad), "--mesh", "2", "-o", str(tmp_path / "p.json"))
+    assert res.returncode == 2 and res.stderr.strip().count("\n") == 0 and "done:" not in res.stderr, res.stderr
+    out, _, _ = artifacts
+    res = cauto("codegen", str(out / "plan.json"), "--target", TARGET, "--batch", "16", "-o", str(tmp_path / "x.py"))
+    assert res.returncode == 2 and "done:" not in res.stderr and res.stderr.strip().count("\n") == 0, res.stderr
+
+
+def test_explain_errors_are_labelled_explain(cauto, tmp_path):
+    bad = tmp_path / "plan.json"
+    bad.write_text(json.dumps({"schema_version": "9.0", "kind": "plan"}))
+    res = cauto("explain", str(bad))
+    assert res.returncode == 2 and res.stderr.startswith("cauto explain: error:") and "cauto-solve" not in res.stderr

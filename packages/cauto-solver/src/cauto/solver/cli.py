@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None, progress=None) -> int:
         shape = parse_mesh(args.mesh)
         names = tuple(s.strip() for s in args.axis_names.split(",")) if args.axis_names else None
         cluster = cluster_for_mesh(args.cluster, shape, names)
-        budget = parse_bytes(args.memory) if args.memory else None
+        budget = parse_bytes(args.memory) if args.memory is not None else None  # '' is a bad size, not the default
         offload_axes = parse_axes(args.offload_axes, cluster.axis_names) if args.offload_axes is not None else None
         graph = load_graph(args.graph)
         plan = make_plan(graph, cluster, memory_budget=budget, checkpoint=args.checkpoint,
