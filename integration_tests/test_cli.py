@@ -1,6 +1,7 @@
 """Every `cauto` subcommand, with good and bad input: bad input exits 2 with one clear line."""
 
 import json
+import os
 
 import pytest
 
@@ -196,3 +197,36 @@ def test_explain_errors_are_labelled_explain(cauto, tmp_path):
     bad.write_text(json.dumps({"schema_version": "9.0", "kind": "plan"}))
     res = cauto("explain", str(bad))
     assert res.returncode == 2 and res.stderr.startswith("cauto explain: error:") and "cauto-solve" not in res.stderr
+
+
+# --- safe writers: the same rules in every command -------------------------------------------------------
+
+def test_codegen_and_explain_create_missing_folders(artifacts, cauto, tmp_path):
+    out, _, _ = artifacts
+    res = cauto("codegen", str(out / "plan.json"), "--target", TARGET, "-o", str(tmp_path / "new" / "code" / "p.py"))
+    assert res.returncode == 0, res.stderr  # was a FileNotFoundError traceback
+    compile((tmp_path / "new" / "code" / "p.py").read_text(), "p.py", "exec")
+    res = cauto("explain", str(out / "plan.json"), "--html", str(tmp_path / "new" / "html" / "r.html"))
+    assert res.returncode == 0 and (tmp_path / "new" / "html" / "r.html").read_text().startswith("<!doctype html>")
+    assert sorted(p.name for p in (tmp_path / "new").rglob("*")) == ["code", "html", "p.py", "r.html"]  # no temp files
+
+
+def test_every_writer_refuses_special_files_and_symlinks(artifacts, cauto, tmp_path):
+    out, _, _ = artifacts
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "target")
+    commands = {"profile": ("profile", TARGET, "-o"), "plan": ("plan", str(out / "graph.json"), "--mesh", "2", "-o"),
+                "codegen": ("codegen", str(out / "plan.json"), "--target", TARGET, "-o"),
+                "explain": ("explain", str(out / "plan.json"), "--html")}
+    for name, args in commands.items():
+        for target, words in ((fifo, "is a FIFO"), (link, "pass --replace-symlink"), (tmp_path, "is a directory")):
+            res = cauto(*args, str(target))
+            lines = res.stderr.strip().splitlines()
+            assert res.returncode == 2 and len(lines) == 1 and words in lines[0] and str(target) in lines[0], \
+                (name, target, res.stderr)
+            assert ".tmp" not in res.stderr
+    assert fifo.is_fifo() and link.is_symlink() and not (tmp_path / "target").exists()
+    res = cauto("plan", str(out / "graph.json"), "--mesh", "2", "-o", str(link), "--replace-symlink")
+    assert res.returncode == 0 and not link.is_symlink() and json.loads(link.read_text())["kind"] == "plan"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 from cauto.plan.documents import GraphDocument, PlanDocument, split_ref
@@ -17,6 +16,7 @@ from cauto.plan.fingerprint import graph_fingerprint
 from cauto.plan.schema import validate
 from cauto.plan.validate import check_graph, check_plan, check_plan_against_graph
 from cauto.plan.versioning import CURRENT_VERSION, KINDS, bring_to_current, parse_version
+from cauto.plan.writing import write_atomic
 
 PathLike = str | os.PathLike
 
@@ -131,20 +131,7 @@ def dumps(doc: GraphDocument | PlanDocument | dict) -> str:
     return json.dumps(d, indent=1, sort_keys=False) + "\n"
 
 
-def dump(doc: GraphDocument | PlanDocument | dict, path: PathLike) -> Path:
-    """Validate ``doc`` and write it atomically to ``path`` (no partial file on any error)."""
-    text = dumps(doc)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a written document is an ordinary file
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+def dump(doc: GraphDocument | PlanDocument | dict, path: PathLike, *, replace_symlink: bool = False) -> Path:
+    """Validate ``doc`` and write it atomically to ``path`` (cauto.plan.writing: no partial file on any
+    error, special files refused, a symbolic link replaced only with ``replace_symlink``)."""
+    return write_atomic(path, dumps(doc), replace_symlink=replace_symlink)

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-from cauto.plan import DocumentError, MismatchError
+from cauto.plan import DocumentError, MismatchError, check_output, write_atomic
 from cauto.profiler.capture import CaptureError
 from cauto.profiler.target import UsageError, bind_sizes, load_target
 
@@ -55,20 +54,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-o", "--output", default="-", help="output file ('-': stdout)")
     parser.add_argument("--batch", type=int, help="passed to the factory as batch= (as for cauto-profile)")
     parser.add_argument("--seq", type=int, help="passed to the factory as seq= (as for cauto-profile)")
+    parser.add_argument("--replace-symlink", action="store_true",
+                        help="replace an output that is a symbolic link with a file (refused otherwise)")
     args = parser.parse_args(argv)
     try:
+        if args.output != "-":
+            check_output(args.output, replace_symlink=args.replace_symlink)
         fn = bind_sizes(load_target(args.target), {"batch": args.batch, "seq": args.seq})
         source = generate(fn, args.plan)
-    except (UsageError, DocumentError, MismatchError, CaptureError, ValueError) as exc:
+        if args.output == "-":
+            sys.stdout.write(source)
+            return 0
+        write_atomic(args.output, source, replace_symlink=args.replace_symlink)
+    except (UsageError, DocumentError, MismatchError, CaptureError, ValueError) as exc:  # OutputError included
         print(f"cauto-codegen: error: {exc}", file=sys.stderr)
         return 2
-    if args.output == "-":
-        sys.stdout.write(source)
-    else:
-        tmp = Path(args.output + ".tmp")
-        tmp.write_text(source)
-        tmp.replace(args.output)
-        print(f"wrote {args.output} ({len(source.splitlines())} lines)")
+    print(f"wrote {args.output} ({len(source.splitlines())} lines)")
     return 0
 
 

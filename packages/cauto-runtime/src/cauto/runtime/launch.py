@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from cauto.plan import load_plan
+    from cauto.plan import load_plan, write_atomic
     from cauto.profiler.capture import split_inputs
     from cauto.profiler.target import bind_sizes, load_target
     from cauto.runtime.apply import apply
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             if rank == 0:
                 print(format_chunk_report(report, rank), flush=True)
                 measured_path = Path(args.measured_out or Path(args.plan).with_suffix(".measured.json"))
-                measured_path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+                write_atomic(measured_path, json.dumps(report, indent=1, default=str) + "\n")
                 print(f"measured figures written to {measured_path}", flush=True)
         elif args.verify:
             report = verify_step(model, inputs, opt)
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             if rank == 0:
                 print(format_report(report, rank), flush=True)
                 measured_path = Path(args.measured_out or Path(args.plan).with_suffix(".measured.json"))
-                measured_path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+                write_atomic(measured_path, json.dumps(report, indent=1, default=str) + "\n")
                 print(f"measured figures written to {measured_path} (cauto explain shows them)", flush=True)
         dist.barrier()
         dist.destroy_process_group()

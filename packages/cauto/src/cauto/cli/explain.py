@@ -18,7 +18,15 @@ import sys
 from pathlib import Path
 
 from cauto.cli.report_html import render_report
-from cauto.plan import DocumentError, MismatchError, check_plan_matches_graph, load
+from cauto.plan import (
+    DocumentError,
+    MismatchError,
+    OutputError,
+    check_output,
+    check_plan_matches_graph,
+    load,
+    write_atomic,
+)
 
 
 def measured_for(plan_path: str | Path) -> dict | None:
@@ -80,8 +88,10 @@ def device_view(plan: dict, graph: dict | None):
         return None, f"No per-device timeline: {exc}"
 
 
-def write_html(plan_path: str | Path, graph_path: str | Path | None, html_path: str | Path) -> Path:
-    """Render the HTML report of a plan (and its graph) to ``html_path``; return the path."""
+def write_html(plan_path: str | Path, graph_path: str | Path | None, html_path: str | Path, *,
+               replace_symlink: bool = False) -> Path:
+    """Render the HTML report of a plan (and its graph) to ``html_path`` (atomically, cauto.plan.writing);
+    return the path."""
     plan = load(plan_path, "plan")
     graph = load(graph_path, "graph") if graph_path else None
     report = measured_for(plan_path)
@@ -92,12 +102,8 @@ def write_html(plan_path: str | Path, graph_path: str | Path | None, html_path: 
         peak = report["peak_bytes"]
         per_rank = [int(v) for v in (peak.get("measured_per_rank") or [peak["measured"]])]
     device, note = device_view(plan, graph)
-    html_path = Path(html_path)
-    tmp = html_path.with_suffix(html_path.suffix + ".tmp")
-    tmp.write_text(render_report(plan, graph, measured, device=device, measured_per_rank=per_rank, device_note=note),
-                   encoding="utf-8")
-    tmp.replace(html_path)
-    return html_path
+    page = render_report(plan, graph, measured, device=device, measured_per_rank=per_rank, device_note=note)
+    return write_atomic(html_path, page, replace_symlink=replace_symlink)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("plan")
     parser.add_argument("--graph", help="the graph.json the plan was solved from (adds the memory timeline)")
     parser.add_argument("--html", help="write a self-contained HTML report here")
+    parser.add_argument("--replace-symlink", action="store_true",
+                        help="replace an --html output that is a symbolic link with a file (refused otherwise)")
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
@@ -113,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     from cauto.solver.summary import explain
 
     try:
+        if args.html:
+            check_output(args.html, replace_symlink=args.replace_symlink)
         plan = load(args.plan, "plan")
         graph = load(args.graph, "graph") if args.graph else None
         if graph is not None:
@@ -123,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(measured_lines(report)))
         if not args.html:
             return 0
-        path = write_html(args.plan, args.graph, args.html)
-    except (DocumentError, MismatchError) as exc:
+        path = write_html(args.plan, args.graph, args.html, replace_symlink=args.replace_symlink)
+    except (DocumentError, MismatchError, OutputError) as exc:
         print(f"cauto explain: error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {path}")
