@@ -12,7 +12,9 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
+import uuid
 
 import pytest
 
@@ -103,14 +105,14 @@ def sharded_plan(tmp_path_factory):
     return out / "plan.json"
 
 
-def _job_pids() -> set[int]:
+def _job_pids(token: str) -> set[int]:
+    """Processes whose environment holds ``token`` (this job's, not other jobs' on a shared machine)."""
     found = set()
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                    cmd = fh.read()
-                    if b"cauto.runtime.launch" in cmd and b"torch.distributed.run" not in cmd:
+                with open(f"/proc/{entry}/environ", "rb") as fh:
+                    if token.encode() in fh.read().split(b"\0"):
                         found.add(int(entry))
             except OSError:
                 pass
@@ -123,11 +125,22 @@ FAULTS = [(action, phase) for action in ("SIGSTOP", "SIGKILL") for phase in ("se
 @pytest.mark.slow
 @pytest.mark.parametrize(("action", "phase"), FAULTS + [("hang", "forward")])
 def test_fault_ends_the_job_in_bounded_time_with_one_line(sharded_plan, action, phase):
-    before = _job_pids()
-    start = time.monotonic()
-    res = cauto("run", TARGET, "--plan", str(sharded_plan), "--nproc", "2", "--steps", "3",
-                "--timeout-s", str(TIMEOUT_S), env={"CAUTO_TEST_FAULT": f"1:{phase}:{action}"},
-                timeout=TIMEOUT_S + 120)
+    token = f"CAUTO_TEST_JOB={uuid.uuid4().hex}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CAUTO_TEST_FAULT": f"1:{phase}:{action}", token.split("=")[0]: token.split("=")[1]}
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        start = time.monotonic()
+        proc = subprocess.Popen([sys.executable, "-m", "cauto.cli.main", "run", TARGET, "--plan", str(sharded_plan),
+                                 "--nproc", "2", "--steps", "3", "--timeout-s", str(TIMEOUT_S)],
+                                stdout=out, stderr=err, text=True, env=env)
+        seen: set[int] = set()
+        while proc.poll() is None and time.monotonic() - start < TIMEOUT_S + 120:
+            seen |= _job_pids(token)
+            time.sleep(0.2)
+        if proc.poll() is None:
+            proc.kill()
+        returncode = proc.wait()
+        err.seek(0)
+        res = subprocess.CompletedProcess(proc.args, returncode, "", err.read())
     elapsed_s = time.monotonic() - start
     lines = [line for line in res.stderr.splitlines() if line.startswith("cauto run:")]
     print(f"{action} {phase}: exit {res.returncode} after {elapsed_s:.1f} s: {lines}")
@@ -144,5 +157,5 @@ def test_fault_ends_the_job_in_bounded_time_with_one_line(sharded_plan, action, 
     else:  # rank 1 stuck outside any collective: rank 0's collective times out and names itself
         assert lines[0].startswith("cauto run: rank 0 failed in forward (step 1): collective all_gather timed out "
                                    f"after {TIMEOUT_S} s"), lines
-    left = _job_pids() - before
-    assert not left, f"every rank of the job has ended: {[open(f'/proc/{p}/stat').read() for p in left]}"
+    assert len(seen) >= 4, "the job ran as cauto run, torchrun and two ranks"
+    assert not _job_pids(token), "every process of the job has ended (torchrun and both ranks)"
