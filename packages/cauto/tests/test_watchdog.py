@@ -22,12 +22,7 @@ from cauto.cli.watchdog import EXIT_STALLED, Watchdog
 from cauto.runtime.heartbeat import Heartbeat, parse_fault, read_heartbeats
 
 TIMEOUT_S = 10
-TARGET = "cauto.profiler.zoo:mlp"
-
-
-def cauto(*args, env=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "cauto.cli.main", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+TARGET = "cauto.profiler.zoo:mlp"  # the model of the sharded_plan fixture (conftest.py)
 
 
 def _dead_pid() -> int:
@@ -92,18 +87,6 @@ def test_heartbeat_file_follows_phases_and_the_fault_spec_is_checked(tmp_path):
 
 
 # --- real jobs: the fault matrix -----------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def sharded_plan(tmp_path_factory):
-    """A plan for 2 ranks whose forward has collectives (the real solver under a tight budget)."""
-    out = tmp_path_factory.mktemp("watchdog")
-    assert cauto("profile", TARGET, "-o", str(out / "graph.json")).returncode == 0
-    res = cauto("plan", str(out / "graph.json"), "--mesh", "2", "--memory", "1.1MiB", "-o", str(out / "plan.json"))
-    assert res.returncode == 0, res.stderr
-    plan = json.loads((out / "plan.json").read_text())
-    assert any(c["phase"] == "forward" for c in plan["predictions"]["collectives"]), "the plan must communicate"
-    return out / "plan.json"
-
 
 def _job_pids(token: str) -> set[int]:
     """Processes whose environment holds ``token`` (this job's, not other jobs' on a shared machine)."""

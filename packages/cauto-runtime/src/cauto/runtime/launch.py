@@ -43,7 +43,7 @@ def collective_failure(exc: BaseException, timeout_s: float) -> str | None:
             base = frame.name.lstrip("_").removesuffix("_into_tensor").removesuffix("_tensor").removesuffix("_single")
             if name is None and base in _COLLECTIVES:
                 name = base
-    timed_out = "Timed out" in text or "timed out" in text or "Timeout" in text
+    timed_out = "timed out" in text.lower() or "timeout" in text.lower()
     lost = any(s in text for s in ("Connection closed", "Connection reset", "Broken pipe"))
     if not (timed_out or lost) or (name is None and "gloo" not in text.lower() and "nccl" not in text.lower()):
         return None
@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--measured-out", help="where --verify writes its JSON report (default: PLAN.measured.json)")
     parser.add_argument("--batch", type=int, help="passed to the factory as batch= (as for cauto-profile)")
     parser.add_argument("--seq", type=int, help="passed to the factory as seq= (as for cauto-profile)")
+    parser.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (with --save-dir)")
+    parser.add_argument("--save-dir", help="where checkpoints go (DIR/step-N, complete or absent)")
+    parser.add_argument("--resume", help="a checkpoint folder (or a --save-dir) to resume training from")
     args = parser.parse_args(argv)
 
     import torch
@@ -97,7 +100,10 @@ def main(argv: list[str] | None = None) -> int:
             _, example = fn()
         inputs = split_inputs(example)
         opt = model.optimizer
-        for step in range(args.steps):
+        first = model.load(args.resume) if args.resume else 0
+        if rank == 0 and args.resume:
+            print(f"resumed from step {first} ({args.resume})", flush=True)
+        for step in range(first, args.steps):
             start = time.perf_counter()
             beat.enter("forward", step + 1)
             loss = model(*inputs[0], **inputs[1])
@@ -108,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
             opt.zero_grad()
             if rank == 0:  # `cauto run` draws its step bar from this line (cauto.cli.run.STEP_LINE)
                 print(f"step {step + 1}/{args.steps} loss {loss.item():.5f} time {time.perf_counter() - start:.3f} s", flush=True)
+            if args.save_dir and args.save_every and (step + 1) % args.save_every == 0:
+                beat.enter("save", step + 1)
+                model.save(args.save_dir, step + 1)
         beat.enter("verify" if args.verify else "finish")
         if args.verify and (isinstance(model, ChunkedParallelModule) or getattr(model, "manager", None) is not None):
             report = chunk_report(model, inputs)

@@ -1,6 +1,7 @@
 """`cauto run`: launch the runtime on N local processes through torchrun.
 
-    cauto run TARGET --plan plan.json --nproc 4 [--steps 3] [--verify] [--timeout-s 120] [-- <extra torchrun flags>]
+    cauto run TARGET --plan plan.json --nproc 4 [--steps 3] [--verify] [--timeout-s 120]
+              [--save-every N --save-dir DIR] [--resume DIR] [-- <extra torchrun flags>]
 
 Multi-host jobs pass torchrun's own flags after `--` (``--nnodes 2 --node-rank 0
 --rdzv-endpoint host:port``); everything else is what ``python -m cauto.runtime.launch`` takes.
@@ -14,6 +15,11 @@ One front door: before any rank starts, the plan is validated (schema, sane numb
 checked against ``--nproc`` (times ``--nnodes`` after ``--``) and against the model's capture (the
 fingerprint, node and parameter names, placements within each tensor's rank); any failure exits 2
 with one line.
+
+Checkpoints: ``--save-every N --save-dir DIR`` saves the training state (parameters, optimizer
+state, step, RNG) every N steps to ``DIR/step-N`` through torch.distributed.checkpoint, each one
+complete or absent (cauto.runtime.training_state); ``--resume DIR`` continues from the latest
+complete one, refused before launch when there is none or it is another model's.
 
 Bounded time: every collective gets ``--timeout-s`` (default 120 s), and a watchdog (watchdog.py)
 reads the ranks' heartbeats: a rank that stops beating for that long (SIGSTOP, frozen) ends the job
@@ -106,9 +112,11 @@ def _world_size(nproc: int, extra: list[str]) -> int | None:
     return nproc * int(nnodes) if nnodes.isdigit() else None
 
 
-def check_launch(target: str, plan_path: str, world_size: int | None, sizes: dict) -> str | None:
+def check_launch(target: str, plan_path: str, world_size: int | None, sizes: dict,
+                 resume: str | None = None) -> str | None:
     """Everything a rank would check, done once here: the plan's document, its mesh against the world
-    size, and the plan against the model's capture. Return the error line, or None when all is well."""
+    size, the plan against the model's capture, and the checkpoint to resume from (complete, this
+    model's). Return the error line, or None when all is well."""
     from cauto.plan import DocumentError, MismatchError, load
     from cauto.plan.validate import check_plan_against_graph, check_world_size
 
@@ -126,6 +134,13 @@ def check_launch(target: str, plan_path: str, world_size: int | None, sizes: dic
         except Exception as exc:  # the user's factory failed: one line, as cauto profile says it
             return f"cauto run: error: the factory {target} raised {type(exc).__name__}: {str(exc).strip()[:300]}"
         check_plan_against_graph(plan, cap.structure(), cap.fingerprint(), source=plan_path)
+        if resume is not None:
+            from cauto.runtime.training_state import CheckpointError, check_resumable
+
+            try:
+                check_resumable(resume, cap.fingerprint())
+            except CheckpointError as exc:
+                return f"cauto run: error: --resume: {exc}"
     except (DocumentError, MismatchError) as exc:
         return f"cauto run: error: {exc}"
     return None
@@ -147,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verify", action="store_true", help="print predicted vs measured collectives and peak")
     parser.add_argument("--batch", type=int, help="passed to the factory as batch= (as for `cauto profile`)")
     parser.add_argument("--seq", type=int, help="passed to the factory as seq= (as for `cauto profile`)")
+    parser.add_argument("--save-every", type=int, default=0, help="checkpoint the training state every N steps")
+    parser.add_argument("--save-dir", help="where checkpoints go: DIR/step-N, each complete or absent")
+    parser.add_argument("--resume", help="resume from the latest complete checkpoint in this folder")
     parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
                         help="collective timeout, and how long a rank may stall before the job is ended (default 120)")
     try:
@@ -163,11 +181,15 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.timeout_s < float("inf"):
         print(f"cauto run: --timeout-s {args.timeout_s:g} is not a positive number of seconds", file=sys.stderr)
         return 2
+    if args.save_every < 0 or bool(args.save_every) != bool(args.save_dir):
+        print("cauto run: --save-every N (N >= 1) and --save-dir DIR go together", file=sys.stderr)
+        return 2
     problem = check_launch(args.target, args.plan, _world_size(args.nproc, extra),
-                           {"batch": args.batch, "seq": args.seq})
+                           {"batch": args.batch, "seq": args.seq}, args.resume)
     if problem is not None:
         print(problem, file=sys.stderr)
         return 2
-    sizes = [f"--{k}={v}" for k, v in (("batch", args.batch), ("seq", args.seq)) if v is not None]
+    sizes = [f"--{k}={v}" for k, v in (("batch", args.batch), ("seq", args.seq), ("save-every", args.save_every or None),
+                                       ("save-dir", args.save_dir), ("resume", args.resume)) if v is not None]
     cmd = torchrun_command(args.target, args.plan, args.nproc, args.steps, args.verify, extra, sizes, args.timeout_s)
     return run_torchrun(cmd, nproc=args.nproc, timeout_s=args.timeout_s)
