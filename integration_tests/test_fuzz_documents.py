@@ -102,6 +102,11 @@ def mutated(draw, doc: dict) -> dict:
     return doc
 
 
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                       HealthCheck.data_too_large])
+
+
 def _run(argv: list[str]) -> tuple[int, str]:
     """Run the `cauto` command in this process; (exit code, stderr). An alarm turns a hang into a failure."""
     def hang(*_):
@@ -131,8 +136,7 @@ def _assert_refused(rc: int, stderr: str, command: str, output) -> None:
     assert not output.exists(), "no partial file"
 
 
-@settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large])
+@FUZZ
 @given(data=st.data())
 def test_plan_on_a_mutated_graph_plans_or_refuses_in_one_line(documents, tmp_path_factory, data):
     graph_path, _ = documents
@@ -147,8 +151,7 @@ def test_plan_on_a_mutated_graph_plans_or_refuses_in_one_line(documents, tmp_pat
         _assert_refused(rc, stderr, "cauto-solve:", out)
 
 
-@settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large])
+@FUZZ
 @given(data=st.data())
 def test_codegen_of_a_mutated_plan_writes_code_or_refuses_in_one_line(documents, tmp_path_factory, data):
     _, plan_path = documents

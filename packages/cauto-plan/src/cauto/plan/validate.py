@@ -88,6 +88,11 @@ def _input_meta(outputs: dict[str, dict], ref: str) -> dict | None:
     return outputs.get(f"{src}#{k}")
 
 
+def _tensors(node: dict, outputs: dict[str, dict]):
+    """("inputs", metas of the node's input tensors), ("outputs", metas of its outputs)."""
+    return (("inputs", [_input_meta(outputs, r) for r in node["inputs"]]), ("outputs", node["outputs"]))
+
+
 def check_graph(doc: dict, *, source: str | None = None) -> None:
     """Semantic checks of a schema-valid graph document (module docstring); raise DocumentError."""
     check_numbers(doc, source=source)
@@ -105,7 +110,7 @@ def check_graph(doc: dict, *, source: str | None = None) -> None:
         labels = node.get("labels")
         if labels is None:
             continue
-        for side, metas in (("inputs", [_input_meta(outputs, r) for r in node["inputs"]]), ("outputs", node["outputs"])):
+        for side, metas in _tensors(node, outputs):
             if len(labels[side]) != len(metas):
                 raise DocumentError(f"node {node['id']!r} has {len(metas)} {side} but {len(labels[side])} {side} labels",
                                     path=f"{where}.labels.{side}", source=source,
@@ -204,7 +209,7 @@ def check_plan_against_graph(plan: dict, graph_nodes: list[dict], graph_fingerpr
         if node is None:
             raise DocumentError(f"node {nid!r} is not in the graph", path=f"$.nodes.{nid}", source=source,
                                 expected="ids of the graph's nodes")
-        for side, metas in (("inputs", [_input_meta(outputs, r) for r in node["inputs"]]), ("outputs", node["outputs"])):
+        for side, metas in _tensors(node, outputs):
             if len(entry[side]) != len(metas):
                 raise DocumentError(f"node {nid!r} has {len(metas)} {side} in the graph but {len(entry[side])} in the plan",
                                     path=f"$.nodes.{nid}.{side}", source=source,
