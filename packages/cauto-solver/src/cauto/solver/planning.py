@@ -29,6 +29,7 @@ time wins (ties: every axis); none feasible raises the error with the least memo
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 
 from cauto.plan import GraphDocument
@@ -50,7 +51,7 @@ def plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, *, memory_budget:
          offload_axes: tuple[int, ...] | None = None) -> dict:
     """Return a plan document for ``graph`` on ``cluster`` within ``memory_budget`` bytes per device
     (None: the device's memory; anything but a positive whole number of bytes is refused)."""
-    if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, int)
+    if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Integral)
                                       or memory_budget <= 0):
         raise SolverError(f"memory budget {memory_budget!r} is not a positive number of bytes; give a size such as "
                           "70GiB (or 75161927680), or none for the device's memory")
