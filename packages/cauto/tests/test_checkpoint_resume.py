@@ -1,8 +1,9 @@
 """Checkpoint and resume through `cauto run` on 2 gloo ranks (device-only plan with collectives).
 
-A run resumed from a checkpoint prints the losses of the uninterrupted run; a rank killed during a
-save leaves the previous checkpoint usable (the partial one is ignored); a checkpoint of another
-model, or none at all, is refused before any rank starts.
+A run resumed from a checkpoint prints the losses of the uninterrupted run (5 decimals, as the
+launcher prints them), on the same mesh and on another (2 ranks -> 1: DCP reshards); a rank killed
+during a save leaves the previous checkpoint usable (the partial one is ignored); a checkpoint of
+another model, or none at all, is refused before any rank starts.
 """
 
 from __future__ import annotations
@@ -37,6 +38,13 @@ def test_kill_during_save_then_resume_gives_the_uninterrupted_losses(run_cauto, 
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from step 2" in resumed.stdout
     assert _losses(resumed.stdout) == {3: reference[3], 4: reference[4]}
+
+    # another mesh: the 2-rank checkpoint (parameters and Adam state sharded) resumed on 1 process
+    one = tmp_path / "one.json"
+    assert run_cauto("plan", str(sharded_plan.parent / "graph.json"), "--mesh", "1", "-o", str(one)).returncode == 0
+    moved = run_cauto("run", TARGET, "--plan", str(one), "--nproc", "1", "--steps", "4", "--resume", str(saves))
+    assert moved.returncode == 0, moved.stderr[-2000:]
+    assert _losses(moved.stdout) == {3: reference[3], 4: reference[4]}
 
     other = tmp_path / "other"
     shutil.copytree(saves / "step-00000002", other / "step-00000002")
