@@ -24,7 +24,7 @@ PACKAGES = {
     "cauto-runtime": (["cauto-plan", "cauto-profiler", "cauto-runtime"], ["transformers"]),
     "cauto": (["cauto-plan", "cauto-profiler", "cauto-solver", "cauto-runtime", "cauto"], ["transformers"]),
 }
-TEST_TOOLS = ["pytest", "pytest-xdist"]
+TEST_TOOLS = ["pytest", "pytest-xdist", "hypothesis"]
 
 nox.options.sessions = ["versions", "lint", "tests", "integration"]
 nox.options.reuse_existing_virtualenvs = True

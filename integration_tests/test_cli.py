@@ -1,6 +1,7 @@
 """Every `cauto` subcommand, with good and bad input: bad input exits 2 with one clear line."""
 
 import json
+import os
 
 import pytest
 
@@ -125,3 +126,107 @@ def test_codegen_refuses_a_plan_for_another_model(artifacts, cauto, tmp_path):
     res = cauto("codegen", str(out / "plan.json"), "--target", TARGET, "--batch", "16", "-o", str(tmp_path / "x.py"))
     assert res.returncode == 2 and "profile and solve again" in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "x.py").exists()
+
+
+# --- one front door: every plan check before any rank starts -------------------------------------------
+
+def _edited_plan(out, tmp_path, edit) -> str:
+    plan = json.loads((out / "plan.json").read_text())
+    edit(plan)
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(plan))
+    return str(path)
+
+
+def _one_line_refusal(res, *words) -> None:
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in res.stderr and "[rank" not in res.stderr, res.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+def test_run_checks_world_size_names_and_ranks_before_spawning(artifacts, cauto, tmp_path):
+    out, _, _ = artifacts
+    _one_line_refusal(cauto("run", TARGET, "--plan", str(out / "plan.json"), "--nproc", "1"),
+                      "needs 2 processes, but the job has 1", "--nproc 2")
+    _one_line_refusal(cauto("run", TARGET, "--plan", str(out / "plan.json"), "--nproc", "1", "--", "--nnodes", "3"),
+                      "the job has 3")
+    first_param = next(iter(json.loads((out / "plan.json").read_text())["params"]))
+
+    def s9(plan):
+        plan["params"][first_param]["placements"] = ["S(9)"]
+    _one_line_refusal(cauto("run", TARGET, "--plan", _edited_plan(out, tmp_path, s9), "--nproc", "2"),
+                      f"$.params.{first_param}.placements[0]", "shards dim 9")
+
+    def ghost(plan):
+        plan["nodes"]["ghost"] = next(iter(plan["nodes"].values()))
+    _one_line_refusal(cauto("run", TARGET, "--plan", _edited_plan(out, tmp_path, ghost), "--nproc", "2"),
+                      "$.nodes.ghost", "not in the graph")
+    _one_line_refusal(cauto("run", TARGET, "--plan", str(out / "plan.json"), "--nproc", "2", "--batch", "16"),
+                      "the model changed since planning")
+
+
+def test_explain_refuses_a_graph_of_another_model(artifacts, cauto, tmp_path):
+    out, _, _ = artifacts
+    assert cauto("profile", TARGET, "--batch", "16", "-o", str(tmp_path / "other.json")).returncode == 0
+    res = cauto("explain", str(out / "plan.json"), "--graph", str(tmp_path / "other.json"), "--html",
+                str(tmp_path / "r.html"))
+    _one_line_refusal(res, "cauto explain: error:", "the model changed since planning")
+    assert not (tmp_path / "r.html").exists()
+
+
+# --- truthful messages ------------------------------------------------------------------------------------
+
+def test_help_and_errors_print_no_done_or_failed_line(artifacts, cauto, tmp_path):
+    for command in ("plan", "profile", "codegen"):
+        res = cauto(command, "--help")
+        assert res.returncode == 0 and "usage:" in res.stdout, res.stderr
+        assert "failed:" not in res.stderr and "done:" not in res.stderr, (command, res.stderr)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema_version": "1.0", "kind": "graph", "nodes": [')
+    res = cauto("plan", str(bad), "--mesh", "2", "-o", str(tmp_path / "p.json"))
+    assert res.returncode == 2 and res.stderr.strip().count("\n") == 0 and "done:" not in res.stderr, res.stderr
+    out, _, _ = artifacts
+    res = cauto("codegen", str(out / "plan.json"), "--target", TARGET, "--batch", "16", "-o", str(tmp_path / "x.py"))
+    assert res.returncode == 2 and "done:" not in res.stderr and res.stderr.strip().count("\n") == 0, res.stderr
+
+
+def test_explain_errors_are_labelled_explain(cauto, tmp_path):
+    bad = tmp_path / "plan.json"
+    bad.write_text(json.dumps({"schema_version": "9.0", "kind": "plan"}))
+    res = cauto("explain", str(bad))
+    assert res.returncode == 2 and res.stderr.startswith("cauto explain: error:") and "cauto-solve" not in res.stderr
+
+
+# --- safe writers: the same rules in every command -------------------------------------------------------
+
+def test_codegen_and_explain_create_missing_folders(artifacts, cauto, tmp_path):
+    out, _, _ = artifacts
+    res = cauto("codegen", str(out / "plan.json"), "--target", TARGET, "-o", str(tmp_path / "new" / "code" / "p.py"))
+    assert res.returncode == 0, res.stderr  # was a FileNotFoundError traceback
+    compile((tmp_path / "new" / "code" / "p.py").read_text(), "p.py", "exec")
+    res = cauto("explain", str(out / "plan.json"), "--html", str(tmp_path / "new" / "html" / "r.html"))
+    assert res.returncode == 0 and (tmp_path / "new" / "html" / "r.html").read_text().startswith("<!doctype html>")
+    assert sorted(p.name for p in (tmp_path / "new").rglob("*")) == ["code", "html", "p.py", "r.html"]  # no temp files
+
+
+def test_every_writer_refuses_special_files_and_symlinks(artifacts, cauto, tmp_path):
+    out, _, _ = artifacts
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "target")
+    commands = {"profile": ("profile", TARGET, "-o"), "plan": ("plan", str(out / "graph.json"), "--mesh", "2", "-o"),
+                "codegen": ("codegen", str(out / "plan.json"), "--target", TARGET, "-o"),
+                "explain": ("explain", str(out / "plan.json"), "--html")}
+    for name, args in commands.items():
+        for target, words in ((fifo, "is a FIFO"), (link, "pass --replace-symlink"), (tmp_path, "is a directory")):
+            res = cauto(*args, str(target))
+            lines = res.stderr.strip().splitlines()
+            assert res.returncode == 2 and len(lines) == 1 and words in lines[0] and str(target) in lines[0], \
+                (name, target, res.stderr)
+            assert ".tmp" not in res.stderr
+    assert fifo.is_fifo() and link.is_symlink() and not (tmp_path / "target").exists()
+    res = cauto("plan", str(out / "graph.json"), "--mesh", "2", "-o", str(link), "--replace-symlink")
+    assert res.returncode == 0 and not link.is_symlink() and json.loads(link.read_text())["kind"] == "plan"

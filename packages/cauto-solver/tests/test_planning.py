@@ -68,3 +68,19 @@ def test_cli_checkpoint_flag_and_unknown_method(tmp_path, capsys):
         main([str(graph_path), "--mesh", "2", "--checkpoint", "sometimes", "-o", str(tmp_path / "q.json")])
     assert info.value.code == 2
     assert not (tmp_path / "q.json").exists()
+
+
+@pytest.mark.parametrize("budget", [-1, 0, 2.5, True, "1GiB"])
+def test_a_budget_that_is_no_positive_byte_count_is_refused_not_reported_infeasible(make_cluster, budget):
+    from cauto.solver import SolverError
+
+    with pytest.raises(SolverError, match="is not a positive number of bytes") as info:
+        plan(GRAPH, make_cluster(2), memory_budget=budget)
+    assert not isinstance(info.value, InfeasibleBudgetError)  # was "no plan fits -0.00 MiB"
+
+
+def test_an_empty_memory_option_is_a_bad_size_not_the_device_memory(tmp_path, capsys):
+    (tmp_path / "g.json").write_text(json.dumps(GRAPH))
+    assert main([str(tmp_path / "g.json"), "--mesh", "2", "--memory", "", "-o", str(tmp_path / "p.json")]) == 2
+    assert "memory '' is not a size" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()

@@ -84,7 +84,9 @@ WORKER = textwrap.dedent("""
     ref = MLP(64, 256, 2)
     state = {k: v.clone() for k, v in ref.state_dict().items()}
     model = autoparallelize(lambda: MLP(64, 256, 2), (x, y), (dist.get_world_size(),), memory_budget="400KiB",
-                            state_dict=state, cache_dir=sys.argv[1])
+                            state_dict=state, cache_dir=sys.argv[1], timeout_s=45)
+    # the collective timeout asked for, not the 60 s the group was made with
+    assert dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=45)
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
     for step in range(3):
         loss, ref_loss = model(x, y), ref(x, y)

@@ -27,3 +27,8 @@ class VersionError(DocumentError):
 
 class MismatchError(ValueError):
     """A plan does not belong to the graph or model it is being used with."""
+
+
+class OutputError(ValueError):
+    """An output path cannot be written safely (not a regular file, a symbolic link, an unwritable folder);
+    the message names the user's path and what to do."""

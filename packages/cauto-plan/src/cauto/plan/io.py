@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 from cauto.plan.documents import GraphDocument, PlanDocument, split_ref
-from cauto.plan.errors import DocumentError, MismatchError
+from cauto.plan.errors import DocumentError
 from cauto.plan.fingerprint import graph_fingerprint
 from cauto.plan.schema import validate
+from cauto.plan.validate import check_graph, check_plan, check_plan_against_graph
 from cauto.plan.versioning import CURRENT_VERSION, KINDS, bring_to_current, parse_version
+from cauto.plan.writing import write_atomic
 
 PathLike = str | os.PathLike
 
@@ -38,7 +39,8 @@ def parse(text: str, *, source: str | None = None) -> dict:
 def check_document(doc: dict, kind: str | None = None, *, source: str | None = None) -> dict:
     """Validate a parsed document and return it at the current version (upgraded if older).
 
-    ``kind`` ("graph" or "plan") is what the caller needs; None accepts either.
+    ``kind`` ("graph" or "plan") is what the caller needs; None accepts either. After the schema, the
+    semantic checks of cauto.plan.validate (finite, sane numbers; names, ranks and mesh axes that agree).
     """
     found_kind = doc.get("kind")
     if found_kind not in KINDS:
@@ -53,6 +55,9 @@ def check_document(doc: dict, kind: str | None = None, *, source: str | None = N
     validate(doc, found_kind, source=source, relaxed=newer_minor)
     if found_kind == "graph":
         check_graph_consistency(doc, source=source)
+        check_graph(doc, source=source)
+    else:
+        check_plan(doc, source=source)
     return doc
 
 
@@ -113,24 +118,10 @@ def _as_dict(doc: GraphDocument | PlanDocument | dict) -> dict:
 
 
 def check_plan_matches_graph(plan: PlanDocument | dict, graph: GraphDocument | dict) -> None:
-    """Raise MismatchError unless ``plan`` was solved for ``graph`` and names only its nodes."""
-    plan_d, graph_d = _as_dict(plan), _as_dict(graph)
-    if plan_d["graph_fingerprint"] != graph_d["fingerprint"]:
-        raise MismatchError(
-            f"the plan was solved for graph {plan_d['graph_fingerprint'][:12]}, but this graph is "
-            f"{graph_d['fingerprint'][:12]}: the model changed since planning; profile and solve again"
-        )
-    ids = {n["id"] for n in graph_d["nodes"]}
-    for section in ("nodes", "params"):
-        for node_id in plan_d[section]:
-            if node_id not in ids:
-                raise DocumentError(f"node {node_id!r} is not in the graph", path=f"$.{section}.{node_id}",
-                                    expected="ids of the graph's nodes")
-    for i, edge in enumerate(plan_d["edges"]):
-        for end in ("src", "dst"):
-            if edge[end] not in ids:
-                raise DocumentError(f"edge {end} {edge[end]!r} is not in the graph", path=f"$.edges[{i}].{end}",
-                                    expected="ids of the graph's nodes")
+    """Raise MismatchError unless ``plan`` was solved for ``graph``, DocumentError unless it names only its
+    nodes with placements that fit its tensors (cauto.plan.validate.check_plan_against_graph)."""
+    graph_d = _as_dict(graph)
+    check_plan_against_graph(_as_dict(plan), graph_d["nodes"], graph_d["fingerprint"])
 
 
 def dumps(doc: GraphDocument | PlanDocument | dict) -> str:
@@ -140,20 +131,7 @@ def dumps(doc: GraphDocument | PlanDocument | dict) -> str:
     return json.dumps(d, indent=1, sort_keys=False) + "\n"
 
 
-def dump(doc: GraphDocument | PlanDocument | dict, path: PathLike) -> Path:
-    """Validate ``doc`` and write it atomically to ``path`` (no partial file on any error)."""
-    text = dumps(doc)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a written document is an ordinary file
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+def dump(doc: GraphDocument | PlanDocument | dict, path: PathLike, *, replace_symlink: bool = False) -> Path:
+    """Validate ``doc`` and write it atomically to ``path`` (cauto.plan.writing: no partial file on any
+    error, special files refused, a symbolic link replaced only with ``replace_symlink``)."""
+    return write_atomic(path, dumps(doc), replace_symlink=replace_symlink)

@@ -10,6 +10,7 @@ succeeded.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import sys
 
@@ -50,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("target", help="path/to/file.py:fn or package.module:fn; fn() returns (model, inputs)")
     p.add_argument("--json", action="store_true", help="print a JSON summary to stdout instead of tables")
     p.add_argument("-o", "--output", metavar="GRAPH_JSON", help="write the cauto graph document here")
+    p.add_argument("--replace-symlink", action="store_true",
+                   help="replace an output that is a symbolic link with a file (refused otherwise)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="memory model (default cpu)")
     p.add_argument("--device-model", default=None, help="time model: cpu, a100, h100, h200 (default by --device)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="cast the model to this dtype")
@@ -88,7 +91,7 @@ def _print_tables(prof, depth: int, out) -> None:
         print(f"peak at event {i} of {len(prof.timeline)}: {phase}, node {node}, {_fmt_bytes(live)}", file=out)
 
 
-def _plot(prof, path: str) -> None:
+def _plot(prof, path: str, replace_symlink: bool) -> None:
     try:
         import matplotlib
 
@@ -104,8 +107,12 @@ def _plot(prof, path: str) -> None:
     ax.set_ylabel("live MiB")
     ax.set_title(f"{prof.name}: peak {_fmt_bytes(prof.peak_bytes)}")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=120)
     plt.close(fig)
+    from cauto.plan import write_atomic
+
+    write_atomic(path, png.getvalue(), replace_symlink=replace_symlink)
 
 
 def main(argv: list[str] | None = None, progress=None) -> int:
@@ -119,6 +126,7 @@ def main(argv: list[str] | None = None, progress=None) -> int:
     except Exception as exc:  # every failure is reported in one line; the traceback only with --debug
         if args.debug:
             raise
+        from cauto.plan import DocumentError, OutputError
         from cauto.profiler.capture import CaptureError
 
         kind = "cannot capture/profile the model" if isinstance(exc, CaptureError) else "error"
@@ -126,7 +134,7 @@ def main(argv: list[str] | None = None, progress=None) -> int:
             kind = "error"
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"cauto-profile: {kind}: {msg}", file=sys.stderr)
-        if not isinstance(exc, (UsageError, CaptureError)):
+        if not isinstance(exc, (UsageError, CaptureError, OutputError, DocumentError)):
             print("cauto-profile: rerun with --debug for the traceback", file=sys.stderr)
         return EXIT_BAD_INPUT
 
@@ -134,9 +142,13 @@ def main(argv: list[str] | None = None, progress=None) -> int:
 def _run(args, progress=None) -> int:
     import torch
 
+    from cauto.plan import check_output
     from cauto.profiler.capture import CaptureError
     from cauto.profiler.symbolic import profile
 
+    for output in (args.output, args.plot):  # refuse a bad output before profiling, not after
+        if output:
+            check_output(output, replace_symlink=args.replace_symlink)
     fn = bind_sizes(load_target(args.target), {"batch": args.batch, "seq": args.seq})
     hints = _parse_hints(args.size_hint)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.dtype]
@@ -155,11 +167,11 @@ def _run(args, progress=None) -> int:
                    progress=progress)
     doc = prof.to_graph() if args.output else None  # build (and validate) before writing anything
     if args.plot:
-        _plot(prof, args.plot)
+        _plot(prof, args.plot, args.replace_symlink)
     if doc is not None:
         from cauto.plan import dump
 
-        dump(doc, args.output)
+        dump(doc, args.output, replace_symlink=args.replace_symlink)
     if args.json:
         print(json.dumps(prof.summary(), indent=1))
     else:

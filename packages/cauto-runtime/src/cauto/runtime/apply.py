@@ -23,8 +23,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from cauto.plan import MismatchError, PlanDocument, load_plan
+from cauto.plan.validate import check_plan_against_graph
 from cauto.profiler.capture import Capture, capture
-from cauto.runtime import execute
+from cauto.runtime import execute, training_state
 from cauto.runtime.chunked import ChunkedParallelModule, apply_chunked
 from cauto.runtime.chunked_program import build_program, is_pure_data_parallel, shard_into_chunks
 from cauto.runtime.dist_utils import local_slices, to_placements
@@ -47,6 +48,7 @@ class ParallelModule(nn.Module):
     under the model's own names (``torch.distributed.checkpoint`` saves and loads it shard-wise).
     Attributes: ``plan``, ``predictions``, ``generated_code``, ``executable`` (redistributions,
     mismatches), ``capture``, ``mesh``, ``optimizer`` (what ``apply``'s ``optimizer`` factory built, or None).
+    ``save(D, step)`` / ``load(D)`` checkpoint and resume training (training_state.py).
     With chunked parameters (chunked_program.py) also ``chunked`` (the ChunkedModel) and ``manager``
     (its ChunkManager); ``optimizer`` is then the ChunkedAdam and ``state_dict()`` holds only the
     device parameters and buffers (checkpoint chunked state with ``cauto.runtime.chunks.save_checkpoint``).
@@ -114,6 +116,16 @@ class ParallelModule(nn.Module):
         else:
             (loss,) = self.executable.module(*self._state, *flat)
         return loss
+
+    def save(self, directory: str | os.PathLike, step: int = 0):
+        """Checkpoint the parameters, ``self.optimizer``'s state, ``step`` and RNG states under ``directory``
+        (``directory/step-N/``, complete or absent: training_state.py); every rank calls it. Return the folder."""
+        return training_state.save(self, directory, step, self.optimizer)
+
+    def load(self, directory: str | os.PathLike) -> int:
+        """Load the latest complete checkpoint under ``directory`` in place (its fingerprint must be this
+        model's; DCP reshards for another mesh); return the step it was saved at."""
+        return training_state.load(self, directory, self.optimizer)
 
     def input_slices(self) -> dict[str, tuple[slice, ...]]:
         """Per user input: the slice of the global batch this rank must load in local-batch mode."""
@@ -190,6 +202,7 @@ def check_fits(cap: Capture, plan: PlanDocument, mesh: DeviceMesh, *, chunked_ok
     if size != world:
         raise PlanMismatchError(f"the plan's mesh {shape} needs {size} processes, but the world size is {world}; "
                                 f"launch with torchrun --nproc-per-node {size}")
+    check_plan_against_graph(plan.to_dict(), cap.structure(), fingerprint)  # names, counts, S(d) within rank
     for section in ("nodes", "params"):
         for node_id, entry in getattr(plan, section).items():
             lists = [entry["placements"]] if section == "params" else entry["inputs"] + entry["outputs"]
@@ -203,9 +216,6 @@ def check_fits(cap: Capture, plan: PlanDocument, mesh: DeviceMesh, *, chunked_ok
             f"state {next(e['state'] for e in plan.params.values() if e['target'] == offloaded[0])!r}); there is no "
             "DTensor program for pure data parallelism with chunked state: apply runs the model as written under the "
             "chunk manager (chunked.py)")
-    missing = [n.name for n in cap.value_nodes() if n.name not in plan.nodes]
-    if missing:
-        raise PlanMismatchError(f"plan.nodes has no entry for {len(missing)} graph nodes (first: {missing[0]!r})")
 
 
 def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, mesh: DeviceMesh, *,

@@ -20,6 +20,8 @@ from cauto.plan import format_placement, parse_placement
 
 #: collective timeout of every process group the runtime creates: a dead rank ends the job, never hangs it
 DEFAULT_TIMEOUT_S = 300.0
+#: the timeout init_distributed gave the default group; make_mesh gives it to the mesh's own groups too
+_group_timeout_s: list[float] = []
 
 
 def to_placement(text: str) -> Placement:
@@ -79,12 +81,29 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    _group_timeout_s[:] = [timeout_s]
 
 
-def make_mesh(shape: tuple[int, ...] | list[int], axis_names: tuple[str, ...] | list[str] | None = None) -> DeviceMesh:
-    """A device mesh of ``shape`` over the default group's ranks (row-major)."""
+def make_mesh(shape: tuple[int, ...] | list[int], axis_names: tuple[str, ...] | list[str] | None = None,
+              timeout_s: float | None = None) -> DeviceMesh:
+    """A device mesh of ``shape`` over the default group's ranks (row-major).
+
+    The mesh's groups get the collective timeout ``timeout_s`` (default: init_distributed's, when it
+    made the default group); torch would give a multi-axis mesh's groups its own (30 min on gloo).
+    """
     names = tuple(axis_names) if axis_names else None
-    return init_device_mesh(device_type(), tuple(shape), mesh_dim_names=names)
+    mesh = init_device_mesh(device_type(), tuple(shape), mesh_dim_names=names)
+    timeout_s = timeout_s if timeout_s is not None else (_group_timeout_s[0] if _group_timeout_s else None)
+    if timeout_s is not None:
+        set_timeout(mesh, timeout_s)
+    return mesh
+
+
+def set_timeout(mesh: DeviceMesh, timeout_s: float) -> None:
+    """Give the default group and every group of ``mesh`` the collective timeout ``timeout_s``."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    for group in {dist.group.WORLD, *(mesh.get_group(axis) for axis in range(mesh.ndim))}:
+        dist.distributed_c10d._set_pg_timeout(timeout, group)  # torch has no public setter
 
 
 def local_slices(global_shape: tuple[int, ...], placements, mesh: DeviceMesh) -> tuple[slice, ...]:

@@ -3,7 +3,10 @@
 Trains the model of factory TARGET ("pkg.module:fn") for K AdamW steps under the plan, on gloo
 (CPU) or NCCL (CUDA), every rank passing the factory's example batch (global-batch mode). Process
 groups get a collective timeout, and a rank that fails prints its error and makes the job exit
-non-zero: a failing rank never leaves the others hanging past the timeout.
+non-zero: a failing rank never leaves the others hanging past the timeout. A collective that fails
+(timed out, or a peer gone) is reported in one line naming it; other errors with their traceback.
+Under `cauto run` each rank keeps a heartbeat (heartbeat.py: phase setup/forward/backward/optimizer,
+step) that the command's watchdog reads to end a stalled job and name the rank.
 
 The optimizer is the one ``apply`` builds (``model.optimizer``): torch's AdamW for a plan that keeps
 state on the device, the chunk manager's ChunkedAdam (AdamW arithmetic) for a plan with chunked
@@ -16,10 +19,40 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
 import time
 import traceback
 from pathlib import Path
+
+from cauto.runtime.heartbeat import Heartbeat
+
+#: torch.distributed functions whose name says which collective a failing call was in
+_COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast", "barrier", "scatter",
+                "gather", "reduce", "send", "recv")
+
+
+def collective_failure(exc: BaseException, timeout_s: float) -> str | None:
+    """One line for an error raised inside a torch.distributed collective (None for any other error):
+    which collective, and whether it timed out or lost a peer."""
+    text = str(exc)
+    name = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if f"torch{os.sep}distributed" in frame.filename:
+            base = frame.name.lstrip("_").removesuffix("_into_tensor").removesuffix("_tensor").removesuffix("_single")
+            if name is None and base in _COLLECTIVES:
+                name = base
+    timed_out = "timed out" in text.lower() or "timeout" in text.lower()
+    lost = any(s in text for s in ("Connection closed", "Connection reset", "Broken pipe"))
+    if not (timed_out or lost) or (name is None and "gloo" not in text.lower() and "nccl" not in text.lower()):
+        return None
+    what = f"collective {name}" if name else "a collective"
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    first = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0]  # gloo's "[file.cc:123] " prefix, first sentence
+    why = f"timed out after {timeout_s:g} s (a peer rank stalled or died)" if timed_out and not lost else \
+        "lost a peer (its connection closed: that rank died or was killed)"
+    return f"{what} {why}: {first}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,12 +70,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, help="passed to the factory as seq= (as for cauto-profile)")
     parser.add_argument("--compile", action="store_true",
                         help="run the local program's forward and backward graphs compiled by inductor")
+    parser.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (with --save-dir)")
+    parser.add_argument("--save-dir", help="where checkpoints go (DIR/step-N, complete or absent)")
+    parser.add_argument("--resume", help="a checkpoint folder (or a --save-dir) to resume training from")
     args = parser.parse_args(argv)
 
     import torch
     import torch.distributed as dist
 
-    from cauto.plan import load_plan
+    from cauto.plan import load_plan, write_atomic
     from cauto.profiler.capture import split_inputs
     from cauto.profiler.target import bind_sizes, load_target
     from cauto.runtime.apply import apply
@@ -51,9 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     from cauto.runtime.verify import format_report, verify_step
 
     rank = 0
+    beat = Heartbeat.from_env()
     try:
         init_distributed(args.timeout_s)
         rank = dist.get_rank()
+        beat.enter("setup")
         plan = load_plan(args.plan)
         mesh = make_mesh(plan.mesh["shape"], plan.mesh["axis_names"])
         fn = bind_sizes(load_target(args.target), {"batch": args.batch, "seq": args.seq})
@@ -64,20 +102,30 @@ def main(argv: list[str] | None = None) -> int:
             _, example = fn()
         inputs = split_inputs(example)
         opt = model.optimizer
-        for step in range(args.steps):
+        first = model.load(args.resume) if args.resume else 0
+        if rank == 0 and args.resume:
+            print(f"resumed from step {first} ({args.resume})", flush=True)
+        for step in range(first, args.steps):
             start = time.perf_counter()
+            beat.enter("forward", step + 1)
             loss = model(*inputs[0], **inputs[1])
+            beat.enter("backward", step + 1)
             loss.backward()
+            beat.enter("optimizer", step + 1)
             opt.step()
             opt.zero_grad()
             if rank == 0:  # `cauto run` draws its step bar from this line (cauto.cli.run.STEP_LINE)
                 print(f"step {step + 1}/{args.steps} loss {loss.item():.5f} time {time.perf_counter() - start:.3f} s", flush=True)
+            if args.save_dir and args.save_every and (step + 1) % args.save_every == 0:
+                beat.enter("save", step + 1)
+                model.save(args.save_dir, step + 1)
+        beat.enter("verify" if args.verify else "finish")
         if args.verify and (isinstance(model, ChunkedParallelModule) or getattr(model, "manager", None) is not None):
             report = chunk_report(model, inputs)
             if rank == 0:
                 print(format_chunk_report(report, rank), flush=True)
                 measured_path = Path(args.measured_out or Path(args.plan).with_suffix(".measured.json"))
-                measured_path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+                write_atomic(measured_path, json.dumps(report, indent=1, default=str) + "\n")
                 print(f"measured figures written to {measured_path}", flush=True)
         elif args.verify:
             report = verify_step(model, inputs, opt)
@@ -89,15 +137,23 @@ def main(argv: list[str] | None = None) -> int:
             if rank == 0:
                 print(format_report(report, rank), flush=True)
                 measured_path = Path(args.measured_out or Path(args.plan).with_suffix(".measured.json"))
-                measured_path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+                write_atomic(measured_path, json.dumps(report, indent=1, default=str) + "\n")
                 print(f"measured figures written to {measured_path} (cauto explain shows them)", flush=True)
         dist.barrier()
         dist.destroy_process_group()
+        beat.end("done")
         return 0
-    except Exception:
+    except Exception as exc:
         # Exit without waiting for the other ranks: torchrun then stops them, and any rank blocked in
         # a collective with this one fails after the process group's timeout at the latest.
-        print(f"[rank {rank}] cauto launch failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        where = beat.state["phase"] + (f" (step {beat.state['step']})" if beat.state["step"] else "")
+        line = collective_failure(exc, args.timeout_s)
+        if line is not None:
+            print(f"[rank {rank}] {line} in {where}", file=sys.stderr, flush=True)
+        else:
+            line = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            print(f"[rank {rank}] cauto launch failed in {where}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        beat.end("failed", line)
         return 1
 
 

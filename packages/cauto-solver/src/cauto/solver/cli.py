@@ -17,7 +17,16 @@ import json
 import re
 import sys
 
-from cauto.plan import DocumentError, dump, load, load_graph
+from cauto.plan import (
+    DocumentError,
+    MismatchError,
+    OutputError,
+    check_output,
+    check_plan_matches_graph,
+    dump,
+    load,
+    load_graph,
+)
 from cauto.solver.cluster import PRESETS, cluster_for_mesh, parse_mesh
 from cauto.solver.errors import InfeasibleBudgetError, SolverError
 from cauto.solver.offload import OFFLOAD_MODES
@@ -73,6 +82,8 @@ def _solve_parser() -> argparse.ArgumentParser:
     p.add_argument("--solver", default="cbc", choices=["cbc", "highs"])
     p.add_argument("--time-limit", type=float, default=60.0, help="solver time limit in seconds")
     p.add_argument("-o", "--output", required=True, help="where to write the plan document")
+    p.add_argument("--replace-symlink", action="store_true",
+                   help="replace an output that is a symbolic link with a file (refused otherwise)")
     return p
 
 
@@ -92,22 +103,25 @@ def main(argv: list[str] | None = None, progress=None) -> int:
             args = _explain_parser().parse_args(argv[1:])
             plan = load(args.plan, "plan")
             graph = load(args.graph, "graph") if args.graph else None
+            if graph is not None:
+                check_plan_matches_graph(plan, graph)
             print(explain(plan, graph))
             return 0
         args = _solve_parser().parse_args(argv)
         from cauto.solver.checkpoint import summary_lines
         from cauto.solver.planning import plan as make_plan
 
+        check_output(args.output, replace_symlink=args.replace_symlink)  # before solving, not after
         shape = parse_mesh(args.mesh)
         names = tuple(s.strip() for s in args.axis_names.split(",")) if args.axis_names else None
         cluster = cluster_for_mesh(args.cluster, shape, names)
-        budget = parse_bytes(args.memory) if args.memory else None
+        budget = parse_bytes(args.memory) if args.memory is not None else None  # '' is a bad size, not the default
         offload_axes = parse_axes(args.offload_axes, cluster.axis_names) if args.offload_axes is not None else None
         graph = load_graph(args.graph)
         plan = make_plan(graph, cluster, memory_budget=budget, checkpoint=args.checkpoint,
                          time_limit_s=args.time_limit, solver=args.solver, progress=progress,
                          offload=args.offload, offload_axes=offload_axes)
-        dump(plan, args.output)
+        dump(plan, args.output, replace_symlink=args.replace_symlink)
         print(summary(plan))
         if "checkpoint" in plan:
             print("\n".join(summary_lines(plan["checkpoint"])))
@@ -116,7 +130,7 @@ def main(argv: list[str] | None = None, progress=None) -> int:
     except InfeasibleBudgetError as exc:
         print(f"cauto-solve: {exc}", file=sys.stderr)
         return 2
-    except (SolverError, DocumentError, json.JSONDecodeError, OSError) as exc:
+    except (SolverError, DocumentError, MismatchError, OutputError, json.JSONDecodeError, OSError) as exc:
         print(f"cauto-solve: error: {exc}", file=sys.stderr)
         return 2
 

@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from cauto.plan import write_atomic
 from cauto.solver.errors import SolverError
 
 
@@ -218,7 +219,5 @@ def cluster_for_mesh(hardware: HardwareSpec | str, mesh_shape: tuple[int, ...],
 
 
 def save_hardware(spec: HardwareSpec, path: str | Path) -> Path:
-    """Write a spec file (what tools/calibrate.py produces)."""
-    path = Path(path)
-    path.write_text(json.dumps(spec.to_dict(), indent=1) + "\n", encoding="utf-8")
-    return path
+    """Write a spec file (what tools/calibrate.py produces), atomically."""
+    return write_atomic(path, json.dumps(spec.to_dict(), indent=1) + "\n")

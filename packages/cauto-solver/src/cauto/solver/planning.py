@@ -29,6 +29,7 @@ time wins (ties: every axis); none feasible raises the error with the least memo
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 
 from cauto.plan import GraphDocument
@@ -48,7 +49,12 @@ def plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, *, memory_budget:
          checkpoint: str = "none", solver: str = "cbc", time_limit_s: float = 60.0,
          progress: ProgressFn | None = None, offload: str = "none",
          offload_axes: tuple[int, ...] | None = None) -> dict:
-    """Return a plan document for ``graph`` on ``cluster`` within ``memory_budget`` bytes per device."""
+    """Return a plan document for ``graph`` on ``cluster`` within ``memory_budget`` bytes per device
+    (None: the device's memory; anything but a positive whole number of bytes is refused)."""
+    if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Integral)
+                                      or memory_budget <= 0):
+        raise SolverError(f"memory budget {memory_budget!r} is not a positive number of bytes; give a size such as "
+                          "70GiB (or 75161927680), or none for the device's memory")
     if checkpoint not in CHECKPOINT_METHODS:
         raise SolverError(f"checkpoint method {checkpoint!r} is not one of {', '.join(CHECKPOINT_METHODS)}")
     if offload not in OFFLOAD_MODES:

@@ -137,7 +137,8 @@ def autoparallelize(model_fn: Callable[[], torch.nn.Module], example_inputs, mes
                     state_dict: dict | None = None, seed: int | None = None, verbose: bool = False,
                     progress: bool | Callable[[str, int, int], None] = False,
                     make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None,
-                    compile: bool = False):
+                    compile: bool = False,
+                    timeout_s: float | None = 120.0):
     """Return ``model_fn()``'s model parallelized over ``mesh`` under ``memory_budget`` per device.
 
     ``example_inputs``: a tuple or dict of tensors (only shapes and dtypes are used); the returned
@@ -153,14 +154,19 @@ def autoparallelize(model_fn: Callable[[], torch.nn.Module], example_inputs, mes
     ``model.optimizer``, which is also set (the factory's optimizer) for a device-only plan.
     ``compile=True``: the plan's local program (forward and backward graphs with explicit collectives)
     is compiled by inductor; refused for plans with chunked state.
+    ``timeout_s``: the collective timeout of the default group and the mesh's groups (a rank that dies or
+    stalls makes the others fail after it instead of hanging; None leaves torch's, 30 min on gloo).
     """
     from cauto.runtime import apply
+    from cauto.runtime.dist_utils import set_timeout
 
     shape, names = _mesh_of(mesh, axis_names)
     if not isinstance(mesh, DeviceMesh):
         device_type = "cuda" if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl" \
             else "cpu"
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=tuple(names) if names else None)
+    if timeout_s is not None and dist.is_initialized():
+        set_timeout(mesh, timeout_s)
     device = mesh.device_type
     hardware = hardware or ("h100" if device == "cuda" else "cpu-gloo")
     fn = factory_of(model_fn, example_inputs)

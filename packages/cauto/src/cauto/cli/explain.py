@@ -1,5 +1,8 @@
 """`cauto explain PLAN [--graph GRAPH] [--html report.html]`: what the plan does and why.
 
+With --graph the plan must belong to that graph (same fingerprint, its nodes and tensors): a graph
+of another model is refused (exit 2) rather than explained wrongly.
+
 Prints the solver's per-layer placement table and predictions; with --html writes a
 self-contained page: the unsharded memory timeline (from --graph) beside the plan's predicted
 memory per device (check point by check point when --graph is given, else model state +
@@ -15,7 +18,15 @@ import sys
 from pathlib import Path
 
 from cauto.cli.report_html import render_report
-from cauto.plan import DocumentError, MismatchError, load
+from cauto.plan import (
+    DocumentError,
+    MismatchError,
+    OutputError,
+    check_output,
+    check_plan_matches_graph,
+    load,
+    write_atomic,
+)
 
 
 def measured_for(plan_path: str | Path) -> dict | None:
@@ -77,8 +88,10 @@ def device_view(plan: dict, graph: dict | None):
         return None, f"No per-device timeline: {exc}"
 
 
-def write_html(plan_path: str | Path, graph_path: str | Path | None, html_path: str | Path) -> Path:
-    """Render the HTML report of a plan (and its graph) to ``html_path``; return the path."""
+def write_html(plan_path: str | Path, graph_path: str | Path | None, html_path: str | Path, *,
+               replace_symlink: bool = False) -> Path:
+    """Render the HTML report of a plan (and its graph) to ``html_path`` (atomically, cauto.plan.writing);
+    return the path."""
     plan = load(plan_path, "plan")
     graph = load(graph_path, "graph") if graph_path else None
     report = measured_for(plan_path)
@@ -89,38 +102,40 @@ def write_html(plan_path: str | Path, graph_path: str | Path | None, html_path: 
         peak = report["peak_bytes"]
         per_rank = [int(v) for v in (peak.get("measured_per_rank") or [peak["measured"]])]
     device, note = device_view(plan, graph)
-    html_path = Path(html_path)
-    tmp = html_path.with_suffix(html_path.suffix + ".tmp")
-    tmp.write_text(render_report(plan, graph, measured, device=device, measured_per_rank=per_rank, device_note=note),
-                   encoding="utf-8")
-    tmp.replace(html_path)
-    return html_path
+    page = render_report(plan, graph, measured, device=device, measured_per_rank=per_rank, device_note=note)
+    return write_atomic(html_path, page, replace_symlink=replace_symlink)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; exit 2 with a one-line message on bad input."""
+    """Entry point; exit 2 with a one-line message on bad input (a plan for another graph included)."""
     parser = argparse.ArgumentParser(prog="cauto explain", description=__doc__.splitlines()[0])
     parser.add_argument("plan")
     parser.add_argument("--graph", help="the graph.json the plan was solved from (adds the memory timeline)")
     parser.add_argument("--html", help="write a self-contained HTML report here")
+    parser.add_argument("--replace-symlink", action="store_true",
+                        help="replace an --html output that is a symbolic link with a file (refused otherwise)")
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
         return 2 if exc.code else 0
-    from cauto.solver.cli import main as solve_main
+    from cauto.solver.summary import explain
 
-    rc = solve_main(["explain", args.plan])
-    if rc:
-        return rc
-    report = measured_for(args.plan)
-    if report:
-        print("\n".join(measured_lines(report)))
-    if not args.html:
-        return 0
     try:
-        path = write_html(args.plan, args.graph, args.html)
-    except DocumentError as exc:
-        print(f"cauto explain: {exc}", file=sys.stderr)
+        if args.html:
+            check_output(args.html, replace_symlink=args.replace_symlink)
+        plan = load(args.plan, "plan")
+        graph = load(args.graph, "graph") if args.graph else None
+        if graph is not None:
+            check_plan_matches_graph(plan, graph)
+        print(explain(plan, graph))
+        report = measured_for(args.plan)
+        if report:
+            print("\n".join(measured_lines(report)))
+        if not args.html:
+            return 0
+        path = write_html(args.plan, args.graph, args.html, replace_symlink=args.replace_symlink)
+    except (DocumentError, MismatchError, OutputError) as exc:
+        print(f"cauto explain: error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {path}")
     return 0

@@ -15,12 +15,23 @@ import sys
 USAGE = __doc__
 
 
+def _with_bars(bars, run) -> int:
+    """``run(bars)``'s exit code; the bars end with "done: ..." only when it succeeded. A command that
+    failed has said why in one line, and --help is no planning or profiling: nothing more is printed."""
+    try:
+        rc = run(bars)
+    except BaseException as exc:
+        bars.close(ok=False, summary=not isinstance(exc, SystemExit))
+        raise
+    bars.close(ok=rc == 0, summary=rc == 0)
+    return rc
+
+
 def _profile(argv: list[str]) -> int:
     from cauto.cli.progress import profile_bars
     from cauto.profiler.cli import main
 
-    with profile_bars() as bars:
-        return main(argv, progress=bars)
+    return _with_bars(profile_bars(), lambda bars: main(argv, progress=bars))
 
 
 def _plan(argv: list[str]) -> int:
@@ -29,8 +40,7 @@ def _plan(argv: list[str]) -> int:
 
     if argv and argv[0] == "explain":
         return main(argv)
-    with plan_bars(_time_limit_s(argv)) as bars:
-        return main(argv, progress=bars)
+    return _with_bars(plan_bars(_time_limit_s(argv)), lambda bars: main(argv, progress=bars))
 
 
 def _time_limit_s(argv: list[str], default: float = 60.0) -> float:
@@ -50,8 +60,10 @@ def _codegen(argv: list[str]) -> int:
     from cauto.cli.progress import progress
     from cauto.runtime.codegen_cli import main
 
-    with progress("generating the parallel code"):
-        return main(argv)
+    with progress("generating the parallel code") as outcome:
+        rc = main(argv)
+        outcome.ok = rc == 0
+        return rc
 
 
 def _run(argv: list[str]) -> int:

@@ -102,14 +102,15 @@ class PhaseBars:
             else:
                 self._write(text.rstrip("\n") + "\n")
 
-    def close(self, ok: bool = True) -> None:
-        """Finish the current phase and print the total time."""
+    def close(self, ok: bool = True, summary: bool = True) -> None:
+        """Finish the current phase and, with ``summary``, print the total time (``done``/``failed``)."""
         self._stop.set()
         if self._ticker is not None:
             self._ticker.join()
         with self._lock:
             self._end_phase()
-            self._write(f"{'done' if ok else 'failed'}: {self.title} in {time.perf_counter() - self.started:.1f} s\n")
+            if summary:
+                self._write(f"{'done' if ok else 'failed'}: {self.title} in {time.perf_counter() - self.started:.1f} s\n")
 
     def __enter__(self) -> PhaseBars:
         return self
@@ -166,9 +167,17 @@ def plan_bars(time_limit_s: float, stream=None) -> PhaseBars:
                      limits_s={"ilp": time_limit_s})
 
 
+class Outcome:
+    """What a ``progress`` block yields: set ``ok = False`` when the work failed and said so itself."""
+
+    ok = True
+
+
 @contextlib.contextmanager
 def progress(label: str, stream=None):
-    """Show ``label`` with a spinner and elapsed seconds while the block runs; print the total when it ends."""
+    """Show ``label`` with a spinner and elapsed seconds while the block runs; print the total when it
+    ends (``done``), ``failed`` after an exception, nothing after SystemExit (--help, a usage error)
+    or when the block set the yielded ``Outcome.ok`` to False (its own error line says why)."""
     stream = stream or sys.stderr
     start = time.perf_counter()
     done = threading.Event()
@@ -184,14 +193,20 @@ def progress(label: str, stream=None):
     thread = threading.Thread(target=spin, daemon=True) if live else None
     if thread:
         thread.start()
-    ok = False
+    outcome = Outcome()
+    raised: BaseException | None = None
     try:
-        yield
-        ok = True
+        yield outcome
+    except BaseException as exc:
+        raised = exc
+        raise
     finally:
         done.set()
         if thread:
             thread.join()
             stream.write("\r\033[K")
-        stream.write(f"{'done' if ok else 'failed'}: {label} in {time.perf_counter() - start:.1f} s\n")
+        if raised is None and outcome.ok:
+            stream.write(f"done: {label} in {time.perf_counter() - start:.1f} s\n")
+        elif raised is not None and not isinstance(raised, SystemExit):
+            stream.write(f"failed: {label} in {time.perf_counter() - start:.1f} s\n")
         stream.flush()

@@ -1,6 +1,7 @@
 """`cauto run`: launch the runtime on N local processes through torchrun.
 
-    cauto run TARGET --plan plan.json --nproc 4 [--steps 3] [--verify] [-- <extra torchrun flags>]
+    cauto run TARGET --plan plan.json --nproc 4 [--steps 3] [--verify] [--timeout-s 120]
+              [--save-every N --save-dir DIR] [--resume DIR] [-- <extra torchrun flags>]
 
 Multi-host jobs pass torchrun's own flags after `--` (``--nnodes 2 --node-rank 0
 --rdzv-endpoint host:port``); everything else is what ``python -m cauto.runtime.launch`` takes.
@@ -9,27 +10,50 @@ Training progress: rank 0 of the launcher prints ``step k/K loss L time T s`` (o
 prints). On a terminal those lines become one redrawn bar with the loss and seconds per step;
 elsewhere the first step, the steps at each 25 % and the last pass through as they are. Every
 other line of the job (the --verify report, errors of any rank) passes through unchanged.
+
+One front door: before any rank starts, the plan is validated (schema, sane numbers, mesh),
+checked against ``--nproc`` (times ``--nnodes`` after ``--``) and against the model's capture (the
+fingerprint, node and parameter names, placements within each tensor's rank); any failure exits 2
+with one line.
+
+Checkpoints: ``--save-every N --save-dir DIR`` saves the training state (parameters, optimizer
+state, step, RNG) every N steps to ``DIR/step-N`` through torch.distributed.checkpoint, each one
+complete or absent (cauto.runtime.training_state); ``--resume DIR`` continues from the latest
+complete one, refused before launch when there is none or it is another model's.
+
+Bounded time: every collective gets ``--timeout-s`` (default 120 s), and a watchdog (watchdog.py)
+reads the ranks' heartbeats: a rank that stops beating for that long (SIGSTOP, frozen) ends the job
+(exit 124) with ``cauto run: rank R stalled in PHASE (step K) for T s; ended the job``, and every
+process of the job is killed. A job that fails by itself (a rank killed, a collective timed out)
+ends with one line naming the rank and phase, or the collective.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from cauto.cli.progress import PhaseBars, is_milestone, is_tty
+from cauto.cli.watchdog import EXIT_STALLED, Watchdog
+from cauto.runtime.heartbeat import ENV_DIR
+
+DEFAULT_TIMEOUT_S = 120.0
 
 STEP_LINE = re.compile(r"^step (\d+)/(\d+) loss (\S+) time (\S+) s$")
 """The launcher's per-step line (cauto.runtime.launch, rank 0)."""
 
 
 def torchrun_command(target: str, plan: str, nproc: int, steps: int, verify: bool, extra: list[str],
-                     launch_args: list[str] | None = None, compile: bool = False) -> list[str]:
+                     launch_args: list[str] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                     compile: bool = False) -> list[str]:
     """The torchrun command line that runs ``target`` with ``plan`` on ``nproc`` local processes."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), *extra,
-           "-m", "cauto.runtime.launch", target, "--plan", plan, "--steps", str(steps)]
+           "-m", "cauto.runtime.launch", target, "--plan", plan, "--steps", str(steps), "--timeout-s", f"{timeout_s:g}"]
     if verify:
         cmd.append("--verify")
     if compile:
@@ -37,10 +61,29 @@ def torchrun_command(target: str, plan: str, nproc: int, steps: int, verify: boo
     return cmd + list(launch_args or [])
 
 
-def run_torchrun(cmd: list[str], env: dict | None = None, stream=None) -> int:
-    """Run ``cmd`` (a torchrun command line), showing its step lines as progress; return its exit code."""
+def run_torchrun(cmd: list[str], env: dict | None = None, stream=None, *, nproc: int | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
+    """Run ``cmd`` (a torchrun command line of ``nproc`` local ranks) under the watchdog, showing its
+    step lines as progress; return its exit code (EXIT_STALLED when the watchdog ended it)."""
     stream = stream or sys.stdout
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1, env=env)
+    with tempfile.TemporaryDirectory(prefix="cauto-heartbeats-") as beats:
+        if nproc is None:  # the ranks whose first heartbeat the watchdog awaits (none for another command)
+            nproc = int(cmd[cmd.index("--nproc-per-node") + 1]) if "--nproc-per-node" in cmd else 0
+        watchdog = Watchdog(beats, nproc, timeout_s)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1,
+                                env={**(os.environ if env is None else env), ENV_DIR: beats})
+        watchdog.watch(proc, sys.stderr)
+        rc = _follow(proc, stream)
+        watchdog.stop()
+        if watchdog.stall is not None:
+            return EXIT_STALLED
+        if rc not in (0, 130):
+            print(watchdog.verdict(rc), file=sys.stderr, flush=True)
+        return rc
+
+
+def _follow(proc: subprocess.Popen, stream) -> int:
+    """Pass the job's output through (step lines as progress) until it ends; return its exit code."""
     bars = PhaseBars("training", stream) if is_tty(stream) else None
     try:
         for line in proc.stdout:
@@ -61,8 +104,54 @@ def run_torchrun(cmd: list[str], env: dict | None = None, stream=None) -> int:
             bars.close(ok=proc.poll() == 0)
 
 
+def _world_size(nproc: int, extra: list[str]) -> int | None:
+    """``nproc`` times torchrun's ``--nnodes`` among ``extra`` (None for an elastic range like 1:4)."""
+    nnodes = "1"
+    for i, arg in enumerate(extra):
+        if arg.startswith("--nnodes="):
+            nnodes = arg.split("=", 1)[1]
+        elif arg == "--nnodes" and i + 1 < len(extra):
+            nnodes = extra[i + 1]
+    return nproc * int(nnodes) if nnodes.isdigit() else None
+
+
+def check_launch(target: str, plan_path: str, world_size: int | None, sizes: dict,
+                 resume: str | None = None) -> str | None:
+    """Everything a rank would check, done once here: the plan's document, its mesh against the world
+    size, the plan against the model's capture, and the checkpoint to resume from (complete, this
+    model's). Return the error line, or None when all is well."""
+    from cauto.plan import DocumentError, MismatchError, load
+    from cauto.plan.validate import check_plan_against_graph, check_world_size
+
+    try:
+        plan = load(plan_path, "plan")
+        if world_size is not None:
+            check_world_size(plan, world_size)
+        from cauto.profiler.capture import CaptureError, capture
+        from cauto.profiler.target import UsageError, bind_sizes, load_target
+
+        try:
+            cap = capture(bind_sizes(load_target(target), sizes))
+        except (UsageError, CaptureError) as exc:
+            return f"cauto run: error: {str(exc).strip().splitlines()[0]}"
+        except Exception as exc:  # the user's factory failed: one line, as cauto profile says it
+            return f"cauto run: error: the factory {target} raised {type(exc).__name__}: {str(exc).strip()[:300]}"
+        check_plan_against_graph(plan, cap.structure(), cap.fingerprint(), source=plan_path)
+        if resume is not None:
+            from cauto.runtime.training_state import CheckpointError, check_resumable
+
+            try:
+                check_resumable(resume, cap.fingerprint())
+            except CheckpointError as exc:
+                return f"cauto run: error: --resume: {exc}"
+    except (DocumentError, MismatchError) as exc:
+        return f"cauto run: error: {exc}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Parse arguments, check the plan file exists, run torchrun; return its exit code (2 on bad input)."""
+    """Parse arguments, check the plan against the model and world size, run torchrun; return its exit
+    code (2 on bad input, before any rank starts)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
     if "--" in argv:
@@ -78,6 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, help="passed to the factory as seq= (as for `cauto profile`)")
     parser.add_argument("--compile", action="store_true",
                         help="compile the local program (forward and backward graphs) with inductor")
+    parser.add_argument("--save-every", type=int, default=0, help="checkpoint the training state every N steps")
+    parser.add_argument("--save-dir", help="where checkpoints go: DIR/step-N, each complete or absent")
+    parser.add_argument("--resume", help="resume from the latest complete checkpoint in this folder")
+    parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
+                        help="collective timeout, and how long a rank may stall before the job is ended (default 120)")
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
@@ -89,6 +183,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.nproc < 1:
         print("cauto run: --nproc must be at least 1", file=sys.stderr)
         return 2
-    sizes = [f"--{k}={v}" for k, v in (("batch", args.batch), ("seq", args.seq)) if v is not None]
-    return run_torchrun(torchrun_command(args.target, args.plan, args.nproc, args.steps, args.verify, extra, sizes,
-                                         compile=args.compile))
+    if not 0 < args.timeout_s < float("inf"):
+        print(f"cauto run: --timeout-s {args.timeout_s:g} is not a positive number of seconds", file=sys.stderr)
+        return 2
+    if args.save_every < 0 or bool(args.save_every) != bool(args.save_dir):
+        print("cauto run: --save-every N (N >= 1) and --save-dir DIR go together", file=sys.stderr)
+        return 2
+    problem = check_launch(args.target, args.plan, _world_size(args.nproc, extra),
+                           {"batch": args.batch, "seq": args.seq}, args.resume)
+    if problem is not None:
+        print(problem, file=sys.stderr)
+        return 2
+    sizes = [f"--{k}={v}" for k, v in (("batch", args.batch), ("seq", args.seq), ("save-every", args.save_every or None),
+                                       ("save-dir", args.save_dir), ("resume", args.resume)) if v is not None]
+    cmd = torchrun_command(args.target, args.plan, args.nproc, args.steps, args.verify, extra, sizes, args.timeout_s,
+                           compile=args.compile)
+    return run_torchrun(cmd, nproc=args.nproc, timeout_s=args.timeout_s)

@@ -1,0 +1,57 @@
+"""Checkpoint and resume through `cauto run` on 2 gloo ranks (device-only plan with collectives).
+
+A run resumed from a checkpoint prints the losses of the uninterrupted run (5 decimals, as the
+launcher prints them), on the same mesh and on another (2 ranks -> 1: DCP reshards); a rank killed
+during a save leaves the previous checkpoint usable (the partial one is ignored); a checkpoint of
+another model, or none at all, is refused before any rank starts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+
+TARGET = "cauto.profiler.zoo:mlp"  # the model of the sharded_plan fixture (conftest.py)
+
+
+def _losses(stdout: str) -> dict[int, str]:
+    return {int(k): loss for k, loss in re.findall(r"^step (\d+)/\d+ loss (\S+)", stdout, re.M)}
+
+
+@pytest.mark.slow
+def test_kill_during_save_then_resume_gives_the_uninterrupted_losses(run_cauto, sharded_plan, tmp_path):
+    run = ("run", TARGET, "--plan", str(sharded_plan), "--nproc", "2", "--timeout-s", "30")
+    whole = run_cauto(*run, "--steps", "4")
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    reference = _losses(whole.stdout)
+    assert sorted(reference) == [1, 2, 3, 4] and len(set(reference.values())) == 4
+    saves = tmp_path / "ckpt"
+    killed = run_cauto(*run, "--steps", "4", "--save-every", "2", "--save-dir", str(saves),
+                       env={"CAUTO_TEST_FAULT": "1:save:SIGKILL:4"})
+    assert killed.returncode != 0 and "rank 1 died in save (step 4)" in killed.stderr, killed.stderr[-2000:]
+    complete = sorted(p.name for p in saves.iterdir() if (p / "COMPLETE.json").is_file())
+    assert complete == ["step-00000002"], sorted(p.name for p in saves.iterdir())
+    resumed = run_cauto(*run, "--steps", "4", "--resume", str(saves))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from step 2" in resumed.stdout
+    assert _losses(resumed.stdout) == {3: reference[3], 4: reference[4]}
+
+    # another mesh: the 2-rank checkpoint (parameters and Adam state sharded) resumed on 1 process
+    one = tmp_path / "one.json"
+    assert run_cauto("plan", str(sharded_plan.parent / "graph.json"), "--mesh", "1", "-o", str(one)).returncode == 0
+    moved = run_cauto("run", TARGET, "--plan", str(one), "--nproc", "1", "--steps", "4", "--resume", str(saves))
+    assert moved.returncode == 0, moved.stderr[-2000:]
+    assert _losses(moved.stdout) == {3: reference[3], 4: reference[4]}
+
+    other = tmp_path / "other"
+    shutil.copytree(saves / "step-00000002", other / "step-00000002")
+    marker = other / "step-00000002" / "COMPLETE.json"
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "graph_fingerprint": "0" * 64}))
+    refused = run_cauto(*run, "--steps", "4", "--resume", str(other))
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "is of graph 000000000000" in refused.stderr and "[rank" not in refused.stderr
+    empty = run_cauto(*run, "--steps", "4", "--resume", str(tmp_path / "nothing"))
+    assert empty.returncode == 2 and "no complete checkpoint" in empty.stderr
