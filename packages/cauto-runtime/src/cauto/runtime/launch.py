@@ -39,6 +39,12 @@ def collective_failure(exc: BaseException, timeout_s: float) -> str | None:
     text = str(exc)
     name = None
     for frame in traceback.extract_tb(exc.__traceback__):
+        if frame.filename.startswith("<eval_with_key") and "_c10d_functional" in (frame.line or ""):
+            # the local program (lowering.py): the failing line waits for or issues a functional collective
+            line = (frame.line or "").replace("wait_tensor", "")
+            found = next((c for c in _COLLECTIVES if c in line), None)
+            name = name or found
+            continue
         if f"torch{os.sep}distributed" in frame.filename:
             base = frame.name.lstrip("_").removesuffix("_into_tensor").removesuffix("_tensor").removesuffix("_single")
             if name is None and base in _COLLECTIVES:
