@@ -22,6 +22,7 @@ for src in sorted((ROOT / "packages").glob("*/src")):
     sys.path.insert(0, str(src))
 
 import torch  # noqa: E402
+from cuda_workspaces import warm_cuda_workspaces  # noqa: E402 (tools/gpu, beside this script)
 
 from cauto.profiler import profile, zoo  # noqa: E402
 from cauto.profiler.capture import LossWrapper, split_inputs  # noqa: E402
@@ -47,14 +48,6 @@ CASES = [
 ]
 
 
-def _warm_workspaces() -> int:
-    """Run one matmul per dtype so cuBLAS allocates its workspace; return the bytes it holds."""
-    for dt in (torch.float32, torch.bfloat16):
-        a = torch.randn(256, 256, device="cuda", dtype=dt, requires_grad=True)
-        (a @ a).sum().backward()
-        del a
-    torch.cuda.synchronize()
-    return torch.cuda.memory_allocated()
 
 
 def real_peak(fn, dtype) -> tuple[int, int]:
@@ -79,7 +72,7 @@ def main() -> int:
         print("no CUDA device: nothing to check")
         return 1
     t0 = time.time()
-    workspace = _warm_workspaces()
+    workspace = warm_cuda_workspaces()
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, cuBLAS warm-up leaves {workspace} bytes allocated")
     header = f"{'case':16s} {'predicted':>14s} {'measured':>14s} {'measured-ws':>14s} {'diff':>12s} {'rel':>8s} {'prof s':>7s}"
     print(header)

@@ -24,16 +24,7 @@ import traceback
 
 import torch
 import torch.distributed as dist
-
-
-def _warm_workspaces() -> int:
-    """One matmul per dtype so cuBLAS allocates its workspaces; return the bytes they hold."""
-    for dt in (torch.float32, torch.bfloat16):
-        a = torch.randn(256, 256, device="cuda", dtype=dt, requires_grad=True)
-        (a @ a).sum().backward()
-        del a
-    torch.cuda.synchronize()
-    return torch.cuda.memory_allocated()
+from cuda_workspaces import warm_cuda_workspaces  # tools/gpu, beside this script
 
 
 def _steps(loss_fn, opt, n: int) -> tuple[list[float], list[float]]:
@@ -112,7 +103,7 @@ def main() -> None:
         from cauto.runtime.handplan import make_plan
         plan = load_plan(make_plan(capture(fn), mesh, inputs="R", peak_bytes=prof.peak_bytes))
         source = f"hand-made (solver failed: {type(exc).__name__})"
-    workspace = _warm_workspaces()
+    workspace = warm_cuda_workspaces()
 
     def build():
         torch.manual_seed(0)
