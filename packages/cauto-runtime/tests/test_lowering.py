@@ -96,3 +96,24 @@ def test_generated_code_shows_local_forward_and_backward_with_collectives():
     assert "torch.ops._c10d_functional.all_reduce.default" in forward
     assert "COLLECTIVE all_reduce over mesh axis 0 (tp)" in backward
     assert "DTensor" not in forward + backward
+
+
+def test_data_parallel_gradients_are_bucketed_in_the_backward_graph_and_overlap_it():
+    """Plain (replicated) parameters: their gradients are all-reduced inside the backward graph, in
+    buckets of at most bucket_bytes issued as soon as their last gradient exists, so every bucket but
+    the last has backward compute after it; GradSync reports them as its buckets."""
+    model, batch = _model("local", bucket_bytes=16384)
+    backward = model.lowered.graphs["backward"]
+    nodes = list(backward.graph.nodes)
+    reduces = [i for i, n in enumerate(nodes) if str(n.target) == "_c10d_functional.all_reduce.default"
+               and str(n.args[0].target) == "aten.cat.default"]
+    buckets = model.lowered.grad_buckets
+    assert len(reduces) == len(buckets) >= 3
+    bookkeeping = ("aten.view", "aten.cat", "aten.split", "aten.t.", "aten._unsafe_view", "_c10d_functional")
+    compute = [i for i, n in enumerate(nodes) if n.op == "call_function" and str(n.target).startswith("aten.")
+               and not str(n.target).startswith(bookkeeping)]
+    assert all(any(c > r for c in compute) for r in reduces[:-1])  # overlapped with later backward compute
+    model(**batch).backward()
+    assert model.grad_sync.last_buckets == buckets and model.grad_sync.last_overlapped == len(buckets) - 1
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert sum(b for _, _, b in buckets) == total  # every gradient reduced exactly once

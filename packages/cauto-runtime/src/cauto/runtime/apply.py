@@ -82,6 +82,9 @@ class ParallelModule(nn.Module):
             plain_grads = _PlainGradPlacements(lowered.grad_placements, self._state)
         self.grad_sync = GradSync([p for p in self.parameters() if isinstance(p, DTensor) or lowered is not None],
                                   mesh, bucket_bytes, plain_grad_placements=plain_grads)
+        if lowered is not None:
+            lowered.bucket_bytes = bucket_bytes
+            self.grad_sync.in_graph = lowered.grad_buckets
 
     def _lookup(self, node):
         kind, fqn = self.capture.placeholders[node.name]

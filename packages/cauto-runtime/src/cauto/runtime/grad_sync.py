@@ -43,6 +43,9 @@ class GradSync:
         (read at each gradient: the local program fills it when it is traced)."""
         self.mesh = mesh
         self._plain = plain_grad_placements if plain_grad_placements is not None else {}
+        #: buckets the local program's backward graph all-reduces itself (lowering.bucket_gradient_reductions),
+        #: reported with this object's own after each backward
+        self.in_graph: list[tuple[str, int, int]] = []
         self.bucket_bytes = bucket_bytes
         self._open: dict[tuple, _Bucket] = {}
         self._inflight: list[tuple[tuple, list, torch.Tensor, object]] = []
@@ -107,7 +110,8 @@ class GradSync:
     def _finish(self) -> None:
         for key in list(self._open):
             self._launch(key)
-        self.last_buckets = []
+        self.last_buckets = list(self.in_graph)
+        self._early += max(len(self.in_graph) - 1, 0)  # every in-graph bucket but the last overlaps backward
         for key, params, flat, work in self._inflight:
             work.wait()
             axes = key[1]

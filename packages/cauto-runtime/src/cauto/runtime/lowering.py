@@ -142,24 +142,99 @@ def _unseed(node: torch.fx.Node) -> None:
 
 
 class _AsReplicated(torch.autograd.Function):
-    """A plain (replicated) parameter as a Replicate DTensor for the program; in backward its gradient
-    is handed back as the local tensor it is, still Partial where the program left it so (no
-    collective here: GradSync all-reduces those gradients in buckets). ``record`` receives the
-    gradient's placements while tracing."""
+    """A plain (replicated) parameter as a Replicate DTensor for the program. In backward its gradient,
+    Partial on the data-parallel axes, is reduced to Replicate right where autograd finishes it: in the
+    traced backward graph that is an all-reduce issued as soon as the gradient exists and waited for at
+    the end, which ``bucket_gradient_reductions`` then groups into buckets (DDP's overlap). ``record``
+    receives the gradient's placements once reduced (Replicate), while tracing."""
 
     @staticmethod
     def forward(ctx, x, mesh, record):
         from torch.distributed.tensor import Replicate
 
-        ctx.record = record
+        ctx.record, ctx.mesh = record, mesh
         return DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
     @staticmethod
     def backward(ctx, grad):
+        from torch.distributed.tensor import Replicate
+
         if isinstance(grad, DTensor):
-            ctx.record(tuple(grad.placements))
+            if any(not isinstance(g, Replicate) for g in grad.placements):
+                grad = grad.redistribute(ctx.mesh, [Replicate()] * ctx.mesh.ndim)
+            ctx.record(tuple(grad.placements))  # reduced here: nothing left for GradSync
             grad = grad._local_tensor
         return grad, None, None
+
+
+def bucket_gradient_reductions(gm: torch.fx.GraphModule, mesh: DeviceMesh, bucket_bytes: int) -> list[tuple]:
+    """Group the backward graph's gradient all-reduces (an all-reduce whose waited result is only returned)
+    into buckets of at most ``bucket_bytes``, in the order the gradients appear: each bucket is one
+    all-reduce of the concatenated gradients, issued where its last gradient is ready and waited for
+    only before the graph returns, so it runs while the rest of backward computes. Returns the buckets
+    as ``("all_reduce", mesh axis, bytes)``, in issue order."""
+    import operator
+
+    aten, funcol = torch.ops.aten, torch.ops._c10d_functional
+    axis_of = {mesh.get_group(a).group_name: a for a in range(mesh.ndim)}
+    output = gm.graph.output_node()
+    members: dict[tuple, list[tuple[torch.fx.Node, torch.fx.Node]]] = {}
+    for node in gm.graph.nodes:
+        if node.target is not funcol.all_reduce.default or len(node.users) != 1:
+            continue
+        (wait,) = node.users
+        if wait.target is not funcol.wait_tensor.default or any(u is not output for u in wait.users):
+            continue
+        x, op, group = node.args
+        if group not in axis_of:
+            continue
+        members.setdefault((group, op, x.meta["val"].dtype), []).append((node, wait))
+    # Autograd runs the reductions last (their nodes were created first, at the program's entry); each
+    # gradient is ready where its input is computed: buckets follow that order and are issued there.
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    buckets = []
+    for (group, op, dtype), pairs in members.items():
+        pairs.sort(key=lambda pair: position[pair[0].args[0]])
+        chunks, current, size = [], [], 0
+        for pair in pairs:
+            nbytes = _tensor_bytes(pair[0])
+            if current and size + nbytes > bucket_bytes:
+                chunks.append(current)
+                current, size = [], 0
+            current.append(pair)
+            size += nbytes
+        if current:
+            chunks.append(current)
+        for chunk in chunks:
+            last = chunk[-1][0].args[0]  # the bucket's last gradient to be computed
+            shapes = [list(ar.args[0].meta["val"].shape) for ar, _ in chunk]
+            sizes = [ar.args[0].meta["val"].numel() for ar, _ in chunk]
+            cursor = last
+
+            def add(target, args):
+                nonlocal cursor
+                with gm.graph.inserting_after(cursor):
+                    cursor = gm.graph.call_function(target, args)
+                return cursor
+
+            flats = [add(aten.view.default, (ar.args[0], [-1])) for ar, _ in chunk]
+            cat = add(aten.cat.default, (flats,))
+            reduced = add(funcol.all_reduce.default, (cat, op, group))
+            total = sum(sizes)
+            cat.meta["val"] = reduced.meta["val"] = torch.empty(total, dtype=dtype, device="meta")
+            with gm.graph.inserting_before(output):
+                waited = gm.graph.call_function(funcol.wait_tensor.default, (reduced,))
+                parts = gm.graph.call_function(aten.split_with_sizes.default, (waited, sizes))
+                for k, (_, wait) in enumerate(chunk):
+                    piece = gm.graph.call_function(operator.getitem, (parts, k))
+                    view = gm.graph.call_function(aten.view.default, (piece, shapes[k]))
+                    wait.replace_all_uses_with(view)
+            for ar, wait in chunk:
+                gm.graph.erase_node(wait)
+                gm.graph.erase_node(ar)
+            buckets.append(("all_reduce", axis_of[group], total * torch.empty((), dtype=dtype).element_size()))
+    gm.recompile()
+    return buckets
 
 
 class LocalProgram(torch.nn.Module):
@@ -172,7 +247,7 @@ class LocalProgram(torch.nn.Module):
     """
 
     def __init__(self, program: torch.fx.GraphModule, mesh: DeviceMesh, *, compile: bool = False,
-                 plain: set[int] | None = None):
+                 plain: set[int] | None = None, bucket_bytes: int = 25 * 2**20):
         super().__init__()
         self.__dict__["program"] = program  # not a submodule: its parameters are the model's
         self.mesh = mesh
@@ -180,6 +255,9 @@ class LocalProgram(torch.nn.Module):
         self.plain = set(plain or ())
         #: position -> placements of its gradient as the program leaves it (Partial on data-parallel axes)
         self.grad_placements: dict[int, tuple] = {}
+        self.bucket_bytes = bucket_bytes
+        #: the plain parameters' gradient all-reduces of the backward graph, bucketed: (op, mesh axis, bytes)
+        self.grad_buckets: list[tuple] = []
         self.compile = compile
         self._lowered: dict[tuple, object] = {}
         #: the graphs of the training lowering ({"forward", "backward"}), and "inference" once traced without grad
@@ -261,6 +339,8 @@ class LocalProgram(torch.nn.Module):
         def keep(kind: str):
             def compiler(gm: torch.fx.GraphModule, example_inputs):
                 _drop_dead_ops(gm)
+                if kind == "backward" and not self.compile:  # (inductor buckets and reorders by itself)
+                    self.grad_buckets[:] = bucket_gradient_reductions(gm, self.mesh, self.bucket_bytes)
                 self.collectives[kind] = annotate_collectives(gm, self.mesh)
                 compiled = None
                 if self.compile:
