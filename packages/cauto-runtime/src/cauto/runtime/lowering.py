@@ -160,9 +160,11 @@ class _AsReplicated(torch.autograd.Function):
         from torch.distributed.tensor import Replicate
 
         if isinstance(grad, DTensor):
-            if any(not isinstance(g, Replicate) for g in grad.placements):
+            # Partial on one axis: one all-reduce, bucketed in the graph. On several axes (data parallel
+            # over a 2-D mesh) the gradient is left Partial: GradSync reduces it in buckets after backward.
+            if sum(not isinstance(g, Replicate) for g in grad.placements) == 1:
                 grad = grad.redistribute(ctx.mesh, [Replicate()] * ctx.mesh.ndim)
-            ctx.record(tuple(grad.placements))  # reduced here: nothing left for GradSync
+            ctx.record(tuple(grad.placements))
             grad = grad._local_tensor
         return grad, None, None
 
