@@ -118,6 +118,23 @@ class LoweringError(ValueError):
     """The plan's program cannot be lowered to a local program; the message names the node and what to do."""
 
 
+def _lowering_failure(exc: BaseException) -> str:
+    """One line for a trace that failed: the program node whose line raised (plan.nodes id), and why."""
+    import re
+    import traceback
+
+    node = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if frame.filename.startswith("<eval_with_key"):
+            match = re.match(r"\s*(\w+) = ", frame.line or "")
+            if match and node is None:
+                node = match.group(1)
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    where = f"at program node {node!r} (plan.nodes, or the redistribution inserted before it)" if node else ""
+    return (f"the plan cannot run as a program {where}: {type(exc).__name__}: {first}; "
+            "the placements there are not ones DTensor can execute: solve the plan again (cauto plan)")
+
+
 _SEEDLESS: dict = {}
 
 
@@ -294,6 +311,15 @@ class LocalProgram(torch.nn.Module):
         collective is issued or counted (CommDebugMode in ``--verify``), and a plan that cannot be
         lowered fails here, before its first step. Forward and backward are both traced now (not the
         backward at the first ``loss.backward()``), so their code is there to read."""
+
+        try:
+            return self._trace_or_raise(args, input_device)
+        except LoweringError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure of the trace is a plan the program cannot run
+            raise LoweringError(_lowering_failure(exc)) from exc
+
+    def _trace_or_raise(self, args, input_device: torch.device | None):
         import torch.fx.traceback as fx_traceback
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.utils._python_dispatch import _disable_current_modes
