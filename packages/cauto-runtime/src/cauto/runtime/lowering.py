@@ -290,7 +290,8 @@ class LocalProgram(torch.nn.Module):
         fn = self._lowered.get(self._key(args))
         if fn is None:
             fn = self._trace(args)
-        return fn(*args)
+        out = fn(*args)
+        return tuple(out) if isinstance(out, list) else out  # a tuple: module backward hooks accept it
 
     @staticmethod
     def _key(args) -> tuple:
