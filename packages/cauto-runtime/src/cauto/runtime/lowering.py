@@ -27,6 +27,9 @@ others traces again (a few per model at most: training and evaluation).
 
 from __future__ import annotations
 
+import contextlib
+import copy as _copy
+
 import torch
 import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
@@ -166,10 +169,10 @@ class _AsReplicated(torch.autograd.Function):
     receives the gradient's placements once reduced (Replicate), while tracing."""
 
     @staticmethod
-    def forward(ctx, x, mesh, record):
+    def forward(ctx, x, mesh, record, reduce_in_graph):
         from torch.distributed.tensor import Replicate
 
-        ctx.record, ctx.mesh = record, mesh
+        ctx.record, ctx.mesh, ctx.reduce_in_graph = record, mesh, reduce_in_graph
         return DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
     @staticmethod
@@ -179,11 +182,12 @@ class _AsReplicated(torch.autograd.Function):
         if isinstance(grad, DTensor):
             # Partial on one axis: one all-reduce, bucketed in the graph. On several axes (data parallel
             # over a 2-D mesh) the gradient is left Partial: GradSync reduces it in buckets after backward.
-            if sum(not isinstance(g, Replicate) for g in grad.placements) == 1:
+            # Compiled, inductor would get one all-reduce per parameter: GradSync buckets them instead.
+            if ctx.reduce_in_graph and sum(not isinstance(g, Replicate) for g in grad.placements) == 1:
                 grad = grad.redistribute(ctx.mesh, [Replicate()] * ctx.mesh.ndim)
             ctx.record(tuple(grad.placements))
             grad = grad._local_tensor
-        return grad, None, None
+        return grad, None, None, None
 
 
 def bucket_gradient_reductions(gm: torch.fx.GraphModule, mesh: DeviceMesh, bucket_bytes: int) -> list[tuple]:
@@ -293,6 +297,16 @@ class LocalProgram(torch.nn.Module):
         out = fn(*args)
         return tuple(out) if isinstance(out, list) else out  # a tuple: module backward hooks accept it
 
+    @contextlib.contextmanager
+    def as_python(self):
+        """Run the lowered graphs as their Python text (not inductor's compiled code) for the duration:
+        the same ops and collectives, visible to dispatch modes (``--verify`` counts collectives so)."""
+        before, self._tracing = self._tracing, True
+        try:
+            yield
+        finally:
+            self._tracing = before
+
     @staticmethod
     def _key(args) -> tuple:
         return (torch.is_grad_enabled(), tuple(_signature(a) for a in args if not isinstance(a, DTensor)))
@@ -328,7 +342,7 @@ class LocalProgram(torch.nn.Module):
         grad = torch.is_grad_enabled()
         with _disable_current_modes(), FakeTensorMode(allow_non_fake_inputs=False), \
                 torch.set_grad_enabled(grad), fx_traceback.preserve_node_meta():
-            self._tracing = True
+            before, self._tracing = self._tracing, True
             try:
                 fakes = [self._fake_like(a, input_device) for a in args]
                 key = self._key(fakes)
@@ -340,7 +354,7 @@ class LocalProgram(torch.nn.Module):
                 if grad and isinstance(loss, torch.Tensor) and loss.requires_grad:
                     loss.backward()
             finally:
-                self._tracing = False
+                self._tracing = before
         return fn
 
     @staticmethod
@@ -374,7 +388,10 @@ class LocalProgram(torch.nn.Module):
                 compiled = None
                 if self.compile:
                     from torch._inductor.compile_fx import compile_fx_inner
-                    compiled = compile_fx_inner(gm, example_inputs, is_backward=kind == "backward")
+                    # inductor rewrites the graph it gets in place (collectives re-inplaced): it gets a copy,
+                    # and the graph shown (and run as Python while tracing or verifying) stays functional
+                    copy = torch.fx.GraphModule(gm, _copy.deepcopy(gm.graph))
+                    compiled = compile_fx_inner(copy, example_inputs, is_backward=kind == "backward")
                 # Boxed: the graph takes its inputs as one list and clears it as it starts, so each saved
                 # activation is freed at its last use in backward, not when the whole backward returns.
                 gm.graph.set_codegen(_BoxedCodeGen())
@@ -398,10 +415,11 @@ class LocalProgram(torch.nn.Module):
             self.graphs, self.collectives = {}, {}
         self.traces += 1
         program, plain, mesh, placements = self.program, self.plain, self.mesh, self.grad_placements
+        compiled = self.compile
 
         def step(*args):
-            args = [_AsReplicated.apply(a, mesh, lambda g, i=i: placements.__setitem__(i, g)) if i in plain else a
-                    for i, a in enumerate(args)]
+            args = [_AsReplicated.apply(a, mesh, lambda g, i=i: placements.__setitem__(i, g), not compiled)
+                    if i in plain else a for i, a in enumerate(args)]
             return program.forward(*args)
 
         decompositions = None

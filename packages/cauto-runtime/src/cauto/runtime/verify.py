@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
 import torch
@@ -173,11 +174,16 @@ def count_step_collectives(module, args: tuple, kwargs: dict):
     Forward collectives are counted in a no-grad forward: a graph recorded under CommDebugMode cannot
     be differentiated when it contains ops run locally on shards (ops.sdpa) in torch 2.13.
     """
-    with torch.no_grad(), CommDebugMode() as fwd:
-        module(*args, **kwargs)
-    loss = module(*args, **kwargs)
-    with CommDebugMode() as bwd:
-        loss.backward()
+    lowered = getattr(module, "lowered", None)
+    # Inductor's compiled code issues collectives below the dispatcher's Python modes, where
+    # CommDebugMode cannot see them: the counting step runs the same lowered graphs as Python.
+    as_python = lowered.as_python() if lowered is not None and lowered.compile else contextlib.nullcontext()
+    with as_python:
+        with torch.no_grad(), CommDebugMode() as fwd:
+            module(*args, **kwargs)
+        loss = module(*args, **kwargs)
+        with CommDebugMode() as bwd:
+            loss.backward()
     return fwd, bwd, list(module.grad_sync.last_buckets), loss
 
 
