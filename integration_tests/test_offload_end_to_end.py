@@ -1,5 +1,5 @@
 """Solver -> plan with chunked state -> 2 gloo ranks (the plan field that hands data-parallel model
-state to the chunk manager; cauto-solver offload.py, cauto-runtime chunked.py).
+state to the chunk manager; cauto-solver offload.py, cauto-runtime chunks/data_parallel.py).
 
 A 2 MiB per-device budget fits no device-only plan of these models; ``offload="auto"`` chunks every
 (replicated) parameter and records the budget; the runtime trains the plan on 2 ranks through the
@@ -101,7 +101,7 @@ MIXED = {"gpt": ("gpt", CASES["gpt"], BUDGET),
 def test_tensor_parallel_plan_with_chunked_data_parallel_state_trains_on_four_ranks(case, tmp_path):
     """Solver -> a 2 x 2 (dp, tp) plan whose chunks are ZeRO-sharded over dp only and whose parameters
     are tensor-parallel on tp -> 4 gloo ranks running the DTensor program with the parameter shards in
-    chunks (cauto-runtime chunked_program.py): losses and parameters equal one process, and the chunk
+    chunks (cauto-runtime chunks/in_program.py): losses and parameters equal one process, and the chunk
     manager's figures stay within the plan's, as for pure data parallelism above."""
     model, kwargs, budget = MIXED[case]
     graph = profile(functools.partial(zoo.ZOO[model], **kwargs)).to_graph()

@@ -45,6 +45,7 @@ def sample_plan(graph: dict) -> dict:
         "params": {"p_w": {"target": "lin.weight", "placements": ["R"], "state": "device"}},
         "edges": [],
         "grad_sync": [{"op": "all_reduce", "axis": 0, "bytes": 128, "phase": "grad_sync", "where": "p_w"}],
+        "execution": {"mode": "program", "grad_reductions": []},
         "predictions": {"peak_bytes": 1024, "step_time_s": {"total": 1e-4, "compute": 8e-5, "communication": 2e-5},
                         "collectives": [{"op": "all_reduce", "axis": 0, "bytes": 128, "phase": "grad_sync"}]},
         "solver": {"name": "cbc", "status": "optimal", "objective_s": 1e-4, "gap": 0.0, "time_s": 0.01},

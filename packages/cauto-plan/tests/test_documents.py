@@ -162,16 +162,39 @@ def test_dump_writes_an_ordinary_readable_file(tmp_path, graph):
     assert [p.name for p in tmp_path.iterdir()] == ["g.json"]
 
 
-def test_plan_1_0_upgrades_to_1_1_unchanged(tmp_path, graph, plan):
-    """Plan 1.1 only adds optional fields (offload, the device's host link): a 1.0 plan reads as it was."""
+def test_plan_1_0_reads_with_the_execution_section_its_fields_imply(tmp_path, graph, plan):
+    """1.1 only added optional fields (offload, the device's host link); 1.2 adds ``execution``, which an
+    older plan gets on read by the rules of cauto.plan.execution: nothing else changes."""
     old = copy.deepcopy(plan)
     old["schema_version"] = "1.0"
+    del old["execution"]
+    old["predictions"]["collectives"].append({"op": "all_reduce", "axis": 0, "bytes": 64, "phase": "backward",
+                                              "where": "grad of linear:0"})
     (tmp_path / "old.json").write_text(json.dumps(old))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         p = load_plan(tmp_path / "old.json")
-    assert p.schema_version == "1.1" and p.offload is None
-    assert {**p.to_dict(), "schema_version": "1.0"} == old
+    assert p.schema_version == "1.2" and p.offload is None
+    assert p.execution == {"mode": "program", "grad_reductions": ["linear:0"]}
+    assert {k: v for k, v in p.to_dict().items() if k != "execution"} == {**old, "schema_version": "1.2"}
+
+
+def test_plan_1_1_with_chunks_gets_the_mode_and_the_simulated_budget(tmp_path, plan):
+    old = copy.deepcopy(plan)
+    old["schema_version"] = "1.1"
+    del old["execution"]
+    old["params"]["p_w"]["state"] = "chunked"
+    old["offload"] = {"device_budget_bytes": 1 << 30, "chunk_elems": 4096, "mesh_axes": [0], "num_chunks": 2}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    p = load_plan(tmp_path / "old.json")
+    assert p.execution["mode"] == "chunk_manager"  # chunks over the whole mesh, no edges
+    assert p.offload["simulated_device_budget_bytes"] == 2 * 1024 + 20 * 2 * 4096  # capped: 2 peak + 20 B/elem
+    old["edges"] = [{"src": "x", "dst": "linear", "arg": 0, "src_placements": ["R"], "dst_placements": ["S(0)"],
+                     "collectives": []}]
+    old["offload"]["device_budget_bytes"] = 1000
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    p = load_plan(tmp_path / "old.json")
+    assert p.execution["mode"] == "program" and p.offload["simulated_device_budget_bytes"] == 1000
 
 
 def test_plan_offload_section(tmp_path, plan):
@@ -179,7 +202,7 @@ def test_plan_offload_section(tmp_path, plan):
     plan["cluster"]["device"]["host_link_bandwidth_bytes_per_s"] = 2.5e10
     plan["offload"] = {"device_budget_bytes": 1 << 20, "chunk_elems": 4096, "mesh_axes": [0], "num_chunks": 2,
                        "working_set_bytes": 49152, "arena_bytes": 1 << 19, "moved_bytes": 65536,
-                       "host_link_bandwidth_bytes_per_s": 2.5e10}
+                       "host_link_bandwidth_bytes_per_s": 2.5e10, "simulated_device_budget_bytes": 1 << 20}
     dump(plan, tmp_path / "p.json")
     assert load_plan(tmp_path / "p.json").to_dict() == plan
     bad = copy.deepcopy(plan)

@@ -1,7 +1,7 @@
 """Plans with chunked state: refusals in one process, training parity on gloo ranks, and the
-launcher under torchrun. Pure data parallelism runs the model as written (chunked.py); tensor
+launcher under torchrun. Pure data parallelism runs the model as written (chunks/data_parallel.py); tensor
 parallelism beside chunked data-parallel state runs the DTensor program with the parameter shards in
-chunks (chunked_program.py). Plans here are hand-made (handplan ``offload=``);
+chunks (chunks/in_program.py). Plans here are hand-made (handplan ``offload=``);
 integration_tests/test_offload_end_to_end.py takes them from the solver.
 """
 
@@ -81,7 +81,7 @@ def _apply_2d(plan: dict):
 def _assert_pinned_around_every_use(graph):
     """Every fetch is released once, after every op that reads the fetched DTensor or a view of it, and
     the release of one fetch is the first release of that parameter after it (pins never overlap)."""
-    from cauto.runtime.chunk_fetch import aliases_of, fetch_chunked, release_chunked
+    from cauto.runtime.chunks.fetch import aliases_of, fetch_chunked, release_chunked
     order = {n: i for i, n in enumerate(graph.nodes)}
     fetches = [n for n in graph.nodes if n.target is fetch_chunked]
     releases = [n for n in graph.nodes if n.target is release_chunked]

@@ -121,7 +121,7 @@ def _chunked_params(m) -> dict[str, torch.Tensor]:
 
 
 def _ref_shards(m, ref, mesh) -> dict[str, torch.Tensor]:
-    """The reference model's parameters cut as this rank's chunked shards are (whole in chunked.py)."""
+    """The reference model's parameters cut as this rank's chunked shards are (whole in chunks/data_parallel.py)."""
     from cauto.runtime.dist_utils import local_slices
     shards = getattr(m, "_shards", {})
     out = {}
@@ -136,7 +136,7 @@ def chunked_job(job: dict, fn, cap, mesh) -> dict:
     losses, final parameters, and the chunk manager's figures (arena, traffic of the last step)."""
     from cauto.profiler.capture import loss_of, split_inputs
     from cauto.runtime.apply import ParallelModule, apply
-    from cauto.runtime.chunked import ChunkedParallelModule
+    from cauto.runtime.chunks.data_parallel import ChunkedParallelModule
 
     torch.manual_seed(0)
     ref, inputs = fn()
@@ -172,7 +172,7 @@ def chunked_job(job: dict, fn, cap, mesh) -> dict:
     worst = max(diffs, key=diffs.get)
     rel = float((params[worst] - want[worst]).norm() / want[worst].norm())
     mgr = m.manager
-    from cauto.runtime.chunked import chunk_report
+    from cauto.runtime.chunks.data_parallel import chunk_report
     report = chunk_report(m, (args, kwargs))  # one more step, after the comparisons: its collectives
     return {"losses": losses, "ref_losses": ref_losses, "collectives": report["collectives"], "param_diff": diffs[worst], "worst_param": worst,
             "param_diff_without_k_bias": max(v for n, v in diffs.items() if not n.endswith("attn.k.bias")),

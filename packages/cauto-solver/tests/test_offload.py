@@ -126,7 +126,7 @@ def test_cli_offload_flag(tmp_path, capsys, least_on_device):
     assert main([str(graph_path), "--mesh", "2", "--memory", budget, "--offload", "auto", "-o", str(out)]) == 0
     assert "chunked state" in capsys.readouterr().out
     doc = load_plan(out)
-    assert doc.schema_version == "1.1" and doc.offload["device_budget_bytes"] == int(budget)
+    assert doc.schema_version == "1.2" and doc.offload["device_budget_bytes"] == int(budget)
     assert {e["state"] for e in doc.params.values()} == {"chunked"}
     with pytest.raises(SystemExit) as info:
         main([str(graph_path), "--mesh", "2", "--offload", "always", "-o", str(tmp_path / "q.json")])
@@ -282,3 +282,23 @@ def test_timeline_of_a_mixed_plan_is_its_predicted_peak(mixed):
     # the data-parallel axes matter: over the whole mesh the tensor-parallel parameters would not be chunked
     whole = {**mixed, "offload": {k: v for k, v in mixed["offload"].items() if k != "mesh_axes"}}
     assert device_timeline(whole, GRAPH).state_bytes > timeline.state_bytes
+
+
+def test_execution_section_is_what_the_plan_rules_derive(cluster, least_on_device, half_on_device, mesh22):
+    """The solver writes ``execution`` and the simulated budget itself; an older plan gets them from its
+    other sections on read (cauto.plan.execution). Both ways agree on every kind of plan."""
+    from cauto.plan.execution import add_execution
+    plans = [plan(GRAPH, cluster), plan(GRAPH, mesh22),
+             plan(GRAPH, cluster, memory_budget=int(least_on_device * 0.8), offload="auto"),
+             plan(GRAPH, mesh22, memory_budget=half_on_device, offload="chunked", offload_axes=(0,))]
+    modes = []
+    for p in plans:
+        bare = {k: v for k, v in p.items() if k != "execution"}
+        if "offload" in p:
+            bare["offload"] = {k: v for k, v in p["offload"].items() if k != "simulated_device_budget_bytes"}
+        derived = add_execution(bare)
+        assert derived["execution"] == p["execution"]
+        assert derived.get("offload") == p.get("offload")
+        modes.append(p["execution"]["mode"])
+    assert modes == ["program", "program", "chunk_manager", "program"]
+    assert any(p["execution"]["grad_reductions"] for p in plans)

@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from cauto.plan.execution import add_execution
 from cauto.plan.versioning import CURRENT_VERSION, format_version
 
 
@@ -180,15 +181,19 @@ class PlanDocument:
     grad_sync: list[dict] | None = None
     checkpoint: dict | None = None
     offload: dict | None = None
+    execution: dict | None = None
     schema_version: str = format_version(CURRENT_VERSION["plan"])
     kind: str = "plan"
 
     @classmethod
     def from_dict(cls, d: dict) -> PlanDocument:
+        """The plan of ``d``; a plan written without ``execution`` gets it by the rules of
+        ``cauto.plan.execution`` (the section is optional in the schema)."""
+        d = add_execution(d)
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
     def to_dict(self) -> dict:
         order = ["schema_version", "kind", "graph_fingerprint", "mesh", "cluster", "nodes", "params",
-                 "edges", "grad_sync", "checkpoint", "offload", "predictions", "solver"]
+                 "edges", "grad_sync", "checkpoint", "offload", "execution", "predictions", "solver"]
         return _drop_none({k: getattr(self, k) for k in order})

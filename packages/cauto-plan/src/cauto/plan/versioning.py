@@ -14,11 +14,12 @@ import warnings
 from collections.abc import Callable
 
 from cauto.plan.errors import DocumentError, VersionError
+from cauto.plan.execution import add_execution
 
 KINDS = ("graph", "plan")
 
 #: The version this cauto-plan writes, per document kind.
-CURRENT_VERSION: dict[str, tuple[int, int]] = {"graph": (1, 0), "plan": (1, 1)}
+CURRENT_VERSION: dict[str, tuple[int, int]] = {"graph": (1, 0), "plan": (1, 2)}
 
 
 def _plan_1_0_to_1_1(doc: dict) -> dict:
@@ -27,8 +28,15 @@ def _plan_1_0_to_1_1(doc: dict) -> dict:
     return doc
 
 
+def _plan_1_1_to_1_2(doc: dict) -> dict:
+    """Plan 1.2 adds ``execution`` and ``offload.simulated_device_budget_bytes``, which the runtime reads
+    instead of deriving them: an older document gets them by the rules of ``cauto.plan.execution``."""
+    return add_execution(doc)
+
+
 #: (kind, from_minor) -> function that turns a document of MAJOR.from_minor into MAJOR.from_minor+1.
-UPGRADERS: dict[tuple[str, int], Callable[[dict], dict]] = {("plan", 0): _plan_1_0_to_1_1}
+UPGRADERS: dict[tuple[str, int], Callable[[dict], dict]] = {("plan", 0): _plan_1_0_to_1_1,
+                                                           ("plan", 1): _plan_1_1_to_1_2}
 
 
 class NewerMinorVersionWarning(UserWarning):

@@ -5,9 +5,9 @@ plan's node ids), refuse a plan made for another graph or mesh, build the model 
 parameters on meta, give each rank its own shards, rewrite the captured graph into the parallel
 program (``execute.build``), and install bucketed gradient synchronization (``grad_sync``).
 
-A plan whose parameters' state is "chunked" (the solver's offload) runs as chunked.py says when it
+A plan whose parameters' state is "chunked" (the solver's offload) runs as chunks/data_parallel.py says when it
 is pure data parallelism (the model as written under the chunk manager, ``ChunkedParallelModule``),
-and otherwise as chunked_program.py says: this DTensor program, with the chunked parameters' local
+and otherwise as chunks/in_program.py says: this DTensor program, with the chunked parameters' local
 shards in the chunk manager, fetched around the ops that use them.
 """
 
@@ -22,22 +22,19 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from cauto.plan import MismatchError, PlanDocument, load_plan
+from cauto.plan import PlanDocument, load_plan
 from cauto.plan.validate import check_plan_against_graph
 from cauto.profiler.capture import Capture, capture
 from cauto.runtime import execute, training_state
-from cauto.runtime.chunked import ChunkedParallelModule, apply_chunked
-from cauto.runtime.chunked_program import build_program, is_pure_data_parallel, shard_into_chunks
+from cauto.runtime.chunks.data_parallel import ChunkedParallelModule, apply_chunked
+from cauto.runtime.chunks.in_program import build_program, shard_into_chunks
 from cauto.runtime.dist_utils import local_slices, to_placements
+from cauto.runtime.errors import PlanMismatchError
 from cauto.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradSync
 from cauto.runtime.inputs import flat_inputs
 from cauto.runtime.lowering import LocalProgram
 from cauto.runtime.materialize import build_skeleton, materialize
 from cauto.runtime.propagate import propagate
-
-
-class PlanMismatchError(MismatchError):
-    """The plan, the model or the mesh do not belong together; the message says which and what to do."""
 
 
 class ParallelModule(nn.Module):
@@ -49,7 +46,7 @@ class ParallelModule(nn.Module):
     Attributes: ``plan``, ``predictions``, ``generated_code``, ``executable`` (redistributions,
     mismatches), ``capture``, ``mesh``, ``optimizer`` (what ``apply``'s ``optimizer`` factory built, or None).
     ``save(D, step)`` / ``load(D)`` checkpoint and resume training (training_state.py).
-    With chunked parameters (chunked_program.py) also ``chunked`` (the ChunkedModel) and ``manager``
+    With chunked parameters (chunks/in_program.py) also ``chunked`` (the ChunkedModel) and ``manager``
     (its ChunkManager); ``optimizer`` is then the ChunkedAdam and ``state_dict()`` holds only the
     device parameters and buffers (checkpoint chunked state with ``cauto.runtime.chunks.save_checkpoint``).
     """
@@ -218,7 +215,7 @@ def check_fits(cap: Capture, plan: PlanDocument, mesh: DeviceMesh, *, chunked_ok
             f"the plan keeps the state of {len(offloaded)} parameters off the device (first: {offloaded[0]!r}, "
             f"state {next(e['state'] for e in plan.params.values() if e['target'] == offloaded[0])!r}); there is no "
             "DTensor program for pure data parallelism with chunked state: apply runs the model as written under the "
-            "chunk manager (chunked.py)")
+            "chunk manager (chunks/data_parallel.py)")
 
 
 def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, mesh: DeviceMesh, *,
@@ -239,8 +236,8 @@ def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, 
     ``optimizer``: a factory ``module -> torch optimizer``; the result's ``optimizer`` attribute is what it
     built (None without it). For a plan with chunked state ``optimizer`` is a ChunkedAdam built from the
     factory's class (Adam or AdamW) and parameter groups (default AdamW's), and the module is a
-    ChunkedParallelModule (pure data parallelism, chunked.py) or a ParallelModule whose chunked
-    parameter shards the program fetches (chunked_program.py); train through ``model.optimizer`` in every case.
+    ChunkedParallelModule (pure data parallelism, chunks/data_parallel.py) or a ParallelModule whose chunked
+    parameter shards the program fetches (chunks/in_program.py); train through ``model.optimizer`` in every case.
     """
     plan = plan if isinstance(plan, PlanDocument) else load_plan(plan)
     if isinstance(model_or_fn, nn.Module):
@@ -257,7 +254,7 @@ def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, 
             "compile=True needs the local program, and " + ("this plan keeps parameter state in chunks, which "
             "the chunk manager fetches and releases in Python between ops (no graph can hold that)" if has_chunks
             else "lowering='dtensor' was asked for") + "; run without compile, or plan without --offload")
-    if has_chunks and is_pure_data_parallel(plan):
+    if plan.execution["mode"] == "chunk_manager":
         return apply_chunked(fn, cap, plan, mesh, seed=seed, state_dict=state_dict, optimizer=optimizer)
     model, _, fills = build_skeleton(fn)
     model.train()

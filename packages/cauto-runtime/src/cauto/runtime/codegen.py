@@ -45,7 +45,7 @@ def render(executable, plan, lowered=None) -> str:
     if chunked:
         axes = (plan.offload or {}).get("mesh_axes", [])
         header += [f"{chunked} parameters are chunked (ZeRO over mesh axes {axes}): they arrive as ChunkedShard "
-                   "handles, fetched as DTensors around the ops that read them (cauto.runtime.chunk_fetch)."]
+                   "handles, fetched as DTensors around the ops that read them (cauto.runtime.chunks.fetch)."]
     header += ['"""', ""]
     body = ["class ParallelForward(torch.nn.Module):", *["    " + line for line in gm.code.strip("\n").splitlines()]]
     for name, sub in gm.named_children():

@@ -28,7 +28,6 @@ def generate(target, plan_path: str) -> str:
     from cauto.profiler.capture import capture
     from cauto.runtime import execute
     from cauto.runtime.apply import check_fits
-    from cauto.runtime.chunked_program import is_pure_data_parallel
     from cauto.runtime.codegen import render
     from cauto.runtime.dist_utils import make_mesh
 
@@ -42,7 +41,7 @@ def generate(target, plan_path: str) -> str:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     mesh = make_mesh(plan.mesh["shape"], plan.mesh["axis_names"])
     chunked = {pid for pid, entry in plan.params.items() if entry.get("state") == "chunked"}
-    check_fits(cap, plan, mesh, chunked_ok=bool(chunked) and not is_pure_data_parallel(plan))
+    check_fits(cap, plan, mesh, chunked_ok=bool(chunked) and plan.execution["mode"] == "program")
     executable = execute.build(cap, plan, mesh, torch.device("cpu"), chunked=chunked)
     lowered = None if chunked else local_program_of(cap, plan, mesh, executable)
     return render(executable, plan, lowered)

@@ -13,7 +13,7 @@ graph-signature order) is copied node for node, names kept, and rewritten:
 * a few ATen ops without DTensor sharding rules on this device are replaced by ``ops`` versions
   that run locally on each shard (e.g. attention with batch or heads sharded);
 * checkpoint regions become calls of ``torch.utils.checkpoint.checkpoint`` on sub-GraphModules;
-* parameters whose shards live in chunks are fetched and released around their uses (chunk_fetch.py).
+* parameters whose shards live in chunks are fetched and released around their uses (chunks/fetch.py).
 
 The generated code (``ExecutableGraph.code``) is the GraphModule's own ``.code`` with the plan's
 placements and collectives appended as comments, and the module's ``forward`` is compiled from
@@ -105,7 +105,7 @@ def build(cap: Capture, plan: PlanDocument, mesh: DeviceMesh, device: torch.devi
           propagation: Propagation | None = None, chunked: set[str] | None = None) -> ExecutableGraph:
     """Rewrite the captured graph for ``plan`` on ``mesh`` (see module docstring) and compile it.
     ``chunked``: placeholders of parameters whose shards live in chunks, fetched around their uses
-    (chunk_fetch.py)."""
+    (chunks/fetch.py)."""
     graph = torch.fx.Graph()
     val_map: dict[torch.fx.Node, torch.fx.Node] = {}
     out = graph.graph_copy(cap.graph, val_map)
@@ -115,8 +115,7 @@ def build(cap: Capture, plan: PlanDocument, mesh: DeviceMesh, device: torch.devi
         result.hidden = dict(propagation.hidden)
     planned_edges = {(e["src"], e["dst"], e["arg"]) for e in plan.edges}
     #: values whose gradient the plan reduces once, before their producer's backward (see ops.reduce_grad)
-    reduced = {c["where"][len("grad of "):] for c in plan.predictions.get("collectives", [])
-               if c.get("phase") == "backward" and str(c.get("where", "")).startswith("grad of ")}
+    reduced = set(plan.execution["grad_reductions"])
     nodes_plan = plan.nodes
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     with graph.inserting_after(placeholders[-1]):
@@ -219,7 +218,7 @@ def build(cap: Capture, plan: PlanDocument, mesh: DeviceMesh, device: torch.devi
     final.meta["cauto_comment"] = "loss, replicated on every rank"
     output.args = ((final,),)
     if chunked:
-        from cauto.runtime.chunk_fetch import insert_fetches
+        from cauto.runtime.chunks.fetch import insert_fetches
         insert_fetches(graph, chunked)
     root = torch.nn.Module()
     root.mesh = mesh

@@ -31,7 +31,7 @@ def make_plan(cap: Capture, mesh, *, inputs: str, params: dict[str, str] | str |
     them; ``storage``: where every parameter, its gradient and optimizer state live when that differs
     (ZeRO-3/FSDP: "S(0)", gathered for the forward, gradients reduce-scattered in backward); ``checkpoint``: plan.checkpoint.regions.
     ``offload``: the plan's offload section (``device_budget_bytes``, ``chunk_elems``): every parameter's state
-    becomes "chunked" (data parallel plans only: chunked.py runs them).
+    becomes "chunked" (data parallel plans only: chunks/data_parallel.py runs them).
     """
     axes = mesh.ndim
     rep = ",".join(["R"] * axes)

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     from cauto.profiler.capture import split_inputs
     from cauto.profiler.target import bind_sizes, load_target
     from cauto.runtime.apply import apply
-    from cauto.runtime.chunked import ChunkedParallelModule, chunk_report, format_chunk_report
+    from cauto.runtime.chunks.data_parallel import ChunkedParallelModule, chunk_report, format_chunk_report
     from cauto.runtime.dist_utils import init_distributed, make_mesh
     from cauto.runtime.verify import format_report, verify_step
 

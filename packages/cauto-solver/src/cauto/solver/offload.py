@@ -90,6 +90,7 @@ import math
 from dataclasses import dataclass
 
 from cauto.plan import GraphDocument, GraphNode, split_ref
+from cauto.plan.execution import execution_section, simulated_device_budget_bytes
 from cauto.solver.cluster import ClusterSpec
 from cauto.solver.cost import CostModel
 from cauto.solver.device_walk import predicted_peak_bytes
@@ -336,6 +337,11 @@ class OffloadModel:
             "working_set_bytes": self.working_set_bytes, "arena_bytes": int(arena), "moved_bytes": int(moved),
             "host_link_bandwidth_bytes_per_s": self.host_link_bandwidth_bytes_per_s,
         }
+        plan["offload"]["simulated_device_budget_bytes"] = simulated_device_budget_bytes(plan["offload"],
+                                                                                         pred["peak_bytes"])
+        # the chunk manager runs the model as written (no program, so no program gradient reductions)
+        plan["execution"] = execution_section(len(self.cluster.mesh_shape), plan["offload"], plan["edges"],
+                                              collectives)
         return plan
 
     def _zero_collectives(self, num_chunks: int, num_params: int) -> list[dict]:

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 
 from cauto.plan import CURRENT_VERSION, GraphDocument, check_document, check_plan_matches_graph, split_ref
 from cauto.plan.errors import DocumentError
+from cauto.plan.execution import GRAD_OF
 from cauto.plan.versioning import format_version
 from cauto.solver.cluster import ClusterSpec
 from cauto.solver.cost import CostModel
@@ -289,6 +290,7 @@ def plan_document(g: GraphDocument, cluster: ClusterSpec, chosen: Mapping[str, S
                 owner = by_id[src_id].tied_to or src_id if by_id[src_id].kind == "param" else ref
                 arriving.setdefault(owner, {}).setdefault(grad_pl, nbytes)
     grad_sync = []
+    reduced: set[str] = set()  # values whose gradient the program reduces once (execution.grad_reductions)
     for ref, grads in arriving.items():
         src_id, _ = split_ref(ref)
         target_pl = out_pl(ref)
@@ -303,7 +305,9 @@ def plan_document(g: GraphDocument, cluster: ClusterSpec, chosen: Mapping[str, S
             if is_param:
                 grad_sync += _collective_dicts(cs, "grad_sync", src_id)
             else:
-                bwd += _collective_dicts(cs, "backward", f"grad of {ref}")
+                bwd += _collective_dicts(cs, "backward", f"{GRAD_OF}{ref}")
+                if cs:
+                    reduced.add(ref)
     # DTensor's nll_loss backward (mean reduction) needs the total weight, Partial(sum) wherever the
     # batch is split, replicated: an all-reduce of a scalar per such axis, inside the op's backward.
     for n in nodes:
@@ -332,7 +336,7 @@ def plan_document(g: GraphDocument, cluster: ClusterSpec, chosen: Mapping[str, S
         "graph_fingerprint": g.fingerprint,
         "mesh": {"shape": list(mesh), "axis_names": list(cluster.axis_names)},
         "cluster": cluster.to_dict(), "nodes": plan_nodes, "params": params, "edges": edges,
-        "grad_sync": grad_sync,
+        "grad_sync": grad_sync, "execution": {"mode": "program", "grad_reductions": sorted(reduced)},
         "predictions": {"peak_bytes": int(peak), "memory_budget_bytes": budget, "model_state_bytes": int(state),
                         "activation_bytes": int(act),
                         "step_time_s": {"total": compute + communication, "compute": compute,

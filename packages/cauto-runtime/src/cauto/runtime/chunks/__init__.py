@@ -3,9 +3,9 @@
 Entry point: :func:`wrap`. See ``manager.py`` for the placement policy.
 """
 
+from .arena import Arena, BudgetError, TrafficCounter, parse_bytes
 from .chunk import Layout, ParamSlot, TensorState, build_layout, chunk_state, search_chunk_elems
 from .manager import ChunkManager
-from .memory import Arena, BudgetError, TrafficCounter, parse_bytes
 from .model import ChunkedModel
 from .optim import ChunkedAdam
 from .wrap import chunk_module, load_checkpoint, save_checkpoint, wrap

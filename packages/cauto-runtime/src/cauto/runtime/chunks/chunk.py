@@ -139,3 +139,28 @@ def build_layout(named_params: list[tuple[str, torch.nn.Parameter]], param_group
     for s in slots:
         chunk_slots[s.chunk].append(s)
     return Layout(chunk_elems, slots, chunk_group, chunk_slots)
+
+
+class Chunk:
+    """One chunk of one list: a host buffer and/or an arena slot, plus bookkeeping."""
+
+    def __init__(self, kind: str, index: int, numel: int, dtype: torch.dtype):
+        self.kind, self.index, self.numel, self.dtype = kind, index, numel, dtype
+        self.present = False      # False: FREE (ZeRO chunk of another rank, not gathered)
+        self.host: torch.Tensor | None = None
+        self.dev_off: int | None = None
+        self.dirty = False        # device copy newer than host copy
+        self.zero = False         # logically all zeros; buffers not yet written
+        self.pins = 0
+        self.fixed = False        # placed on the device for good (optimizer state that fits)
+        self.event = None
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """(list kind, chunk index)."""
+        return (self.kind, self.index)
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes."""
+        return self.numel * self.dtype.itemsize

@@ -32,36 +32,11 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 
-from .chunk import Layout, TensorState, chunk_state
-from .memory import Arena, BudgetError, Mover
+from .arena import Arena, BudgetError, Mover
+from .chunk import Chunk, Layout, TensorState, chunk_state
 
 PARAM, GRAD, RGRAD, MASTER, EXP_AVG, EXP_AVG_SQ = "param", "grad", "rgrad", "master", "m", "v"
 BACKWARD_PINS = 2  # distinct param chunks an autograd node may unpack at once
-
-
-class Chunk:
-    """One chunk of one list: a host buffer and/or an arena slot, plus bookkeeping."""
-
-    def __init__(self, kind: str, index: int, numel: int, dtype: torch.dtype):
-        self.kind, self.index, self.numel, self.dtype = kind, index, numel, dtype
-        self.present = False      # False: FREE (ZeRO chunk of another rank, not gathered)
-        self.host: torch.Tensor | None = None
-        self.dev_off: int | None = None
-        self.dirty = False        # device copy newer than host copy
-        self.zero = False         # logically all zeros; buffers not yet written
-        self.pins = 0
-        self.fixed = False        # placed on the device for good (optimizer state that fits)
-        self.event = None
-
-    @property
-    def key(self) -> tuple[str, int]:
-        """(list kind, chunk index)."""
-        return (self.kind, self.index)
-
-    @property
-    def nbytes(self) -> int:
-        """Payload bytes."""
-        return self.numel * self.dtype.itemsize
 
 
 POLICIES = ("belady", "lru", "naive")

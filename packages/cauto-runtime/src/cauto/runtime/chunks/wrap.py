@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .arena import parse_bytes
 from .chunk import build_layout, search_chunk_elems
 from .manager import ChunkManager
-from .memory import parse_bytes
 from .model import ChunkedModel
 from .optim import ChunkedAdam
 

@@ -3,25 +3,25 @@
 ``apply`` hands a plan here when its parameters' state is "chunked" and the plan is not pure data
 parallelism: its chunks are ZeRO-sharded over some mesh axes only (``offload.mesh_axes``, the
 data-parallel axes D; the others are tensor-parallel), or it redistributes activations. (Pure data
-parallelism without edges runs the model as written instead: chunked.py.)
+parallelism without edges runs the model as written instead: chunks/data_parallel.py.)
 
 * The program is ``execute.build``'s, as for a plan without chunks: DTensors, the plan's
   redistributions, its generated code. Each chunked parameter enters it as a
-  :class:`~cauto.runtime.chunk_fetch.ChunkedShard` and is fetched around the ops that read it
-  (chunk_fetch.py): the program's code shows ``fetch_chunked`` / ``release_chunked`` calls.
+  :class:`~cauto.runtime.chunks.fetch.ChunkedShard` and is fetched around the ops that read it
+  (chunks/fetch.py): the program's code shows ``fetch_chunked`` / ``release_chunked`` calls.
 * A chunked parameter is Replicate on every axis of D and placed as planned on the others (e.g.
   Shard(0) on a tensor-parallel axis). Each rank materializes its shard as for a DTensor plan, then
   the chunk manager (``chunk_module``) takes the local shards: ZeRO-sharded over the process group
   of D (one mesh axis, or the whole mesh), paged between device and host within the plan's
-  ``offload.device_budget_bytes`` (capped on the simulated CPU device as chunked.py says).
+  ``offload.device_budget_bytes`` (``offload.simulated_device_budget_bytes`` on the CPU's simulated device).
 * Gradients: a fetched parameter's gradient comes back as a Partial(sum) share on D (a Replicate
   gradient becomes an equal share per rank, a Shard one is gathered first) and as planned on the
-  other axes (chunk_fetch.py), so the chunk manager's reduce-scatter sums the ranks' shares
+  other axes (chunks/fetch.py), so the chunk manager's reduce-scatter sums the ranks' shares
   (``average_grads=False``) into the gradient of the global loss.
 * Every trainable parameter must be chunked (one optimizer, ``model.optimizer``, a ChunkedAdam
   built from the ``optimizer`` factory's class and groups); no checkpoint regions; no host state.
 
-Loop and checkpoints as in chunked.py (``model.optimizer``; ``cauto.runtime.chunks.save_checkpoint``).
+Loop and checkpoints as in chunks/data_parallel.py (``model.optimizer``; ``cauto.runtime.chunks.save_checkpoint``).
 """
 
 from __future__ import annotations
@@ -36,14 +36,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from cauto.plan import PlanDocument
 from cauto.profiler.capture import Capture
 from cauto.runtime import execute
-from cauto.runtime.chunk_fetch import ChunkedShard
-from cauto.runtime.chunked import (
-    _mismatch,
+from cauto.runtime.chunks.data_parallel import (
     chunked_targets,
     device_budget_bytes,
+    mismatch,
     refuse_host_state_and_frozen,
 )
-from cauto.runtime.chunks import ChunkedAdam, ChunkedModel, chunk_module
+from cauto.runtime.chunks.fetch import ChunkedShard
+from cauto.runtime.chunks.model import ChunkedModel
+from cauto.runtime.chunks.optim import ChunkedAdam
+from cauto.runtime.chunks.wrap import chunk_module
 
 
 def data_parallel_axes(plan: PlanDocument) -> list[int]:
@@ -51,35 +53,30 @@ def data_parallel_axes(plan: PlanDocument) -> list[int]:
     return sorted((plan.offload or {}).get("mesh_axes", range(len(plan.mesh["shape"]))))
 
 
-def is_pure_data_parallel(plan: PlanDocument) -> bool:
-    """Whether chunked.py runs the plan: chunks over the whole mesh and no redistribution edges."""
-    return data_parallel_axes(plan) == list(range(len(plan.mesh["shape"]))) and not plan.edges
-
-
 def check_chunked_program(plan: PlanDocument, model: nn.Module) -> None:
     """Raise PlanMismatchError unless ``plan``'s chunked state can run in the DTensor program (module docstring)."""
     refuse_host_state_and_frozen(plan, model)
     if plan.offload is None:
-        raise _mismatch("the plan marks parameters \"chunked\" but has no offload section; solve again with "
+        raise mismatch("the plan marks parameters \"chunked\" but has no offload section; solve again with "
                         "--offload chunked")
     axes = data_parallel_axes(plan)
     ndim = len(plan.mesh["shape"])
     if not axes or any(not 0 <= a < ndim for a in axes) or (len(axes) > 1 and len(axes) != ndim):
-        raise _mismatch(f"the plan ZeRO-shards chunks over mesh axes {axes}; the runtime shards them over one mesh "
+        raise mismatch(f"the plan ZeRO-shards chunks over mesh axes {axes}; the runtime shards them over one mesh "
                         f"axis or all {ndim}: solve again with --offload-axes naming one axis, or all")
     chunked = set(chunked_targets(plan))
     left = [n for n, p in model.named_parameters() if p.requires_grad and n not in chunked]
     if left:
-        raise _mismatch(f"the plan chunks {len(chunked)} parameters but keeps {len(left)} trainable ones on the "
+        raise mismatch(f"the plan chunks {len(chunked)} parameters but keeps {len(left)} trainable ones on the "
                         f"device (first: {left[0]!r}); with tensor parallelism, chunked state runs only when every "
                         "trainable parameter is chunked: solve again with --offload chunked")
     bad = [e["target"] for e in plan.params.values()
            if e.get("state") == "chunked" and any(e["placements"][a] != "R" for a in axes)]
     if bad:
-        raise _mismatch(f"chunked parameter {bad[0]!r} is not Replicate on the data-parallel mesh axes {axes}; the "
+        raise mismatch(f"chunked parameter {bad[0]!r} is not Replicate on the data-parallel mesh axes {axes}; the "
                         "chunk manager ZeRO-shards it there itself: the plan is malformed, solve again")
     if plan.checkpoint and plan.checkpoint.get("regions"):
-        raise _mismatch("the plan has checkpoint regions and chunked state; recomputation would fetch chunked "
+        raise mismatch("the plan has checkpoint regions and chunked state; recomputation would fetch chunked "
                         "parameters during backward, which the runtime does not do: solve with --checkpoint none")
 
 
@@ -131,5 +128,4 @@ def build_program(cap: Capture, plan: PlanDocument, mesh: DeviceMesh, device: to
     return execute.build(cap, plan, mesh, device, propagation, chunked=chunked)
 
 
-__all__ = ["build_program", "check_chunked_program", "data_parallel_axes", "is_pure_data_parallel",
-           "shard_into_chunks"]
+__all__ = ["build_program", "check_chunked_program", "data_parallel_axes", "shard_into_chunks"]

@@ -1,6 +1,6 @@
 """Where the parallel program fetches and releases the chunked parameter shards it uses.
 
-A parameter whose plan state is "chunked" in a DTensor program (chunked_program.py) enters the
+A parameter whose plan state is "chunked" in a DTensor program (chunks/in_program.py) enters the
 program as a :class:`ChunkedShard` handle, not as a DTensor: its value lives in a chunk that may be
 on the host, or not even on this rank (ZeRO), until an op needs it. ``insert_fetches`` rewrites the
 program so that

@@ -1,7 +1,7 @@
 """Plans with chunked model state: the model as written, its parameters in the chunk manager.
 
-``apply`` hands a plan here when its parameters' state is "chunked" (the solver's ``offload``, see
-cauto-solver's offload.py). What runs is pure data parallelism, the case the solver plans:
+``apply`` hands a plan here when its ``execution.mode`` is ``"chunk_manager"`` (the solver's
+``offload``, see cauto-solver's offload.py and cauto.plan.execution). What runs is pure data parallelism, the case the solver plans:
 
 * every trainable parameter is chunked (state "chunked", Replicate on every mesh axis) and its
   value, gradient and Adam state live in ``cauto.runtime.chunks``: ``chunk_module`` with the plan's
@@ -12,10 +12,9 @@ cauto-solver's offload.py). What runs is pure data parallelism, the case the sol
   user input Shard(0) on every mesh axis of size > 1 (``local_slices``), or Replicate (whole);
 * no redistribution edges, no checkpoint regions.
 
-On the CPU the device is simulated (an arena tensor in host memory), and a plan solved without a
-budget would hand it the device's whole memory: there the budget is capped at what the chunks
-could ever fill, ``2 · predicted peak + 20 · num_chunks · chunk_elems`` bytes (every chunk list:
-fp32 parameter, gradient, reduced gradient, Adam moments), which changes no result.
+On the CPU the device is simulated (an arena tensor in host memory): there the chunk manager gets
+the plan's ``offload.simulated_device_budget_bytes`` (the budget capped at what the chunks could
+ever fill, cauto.plan.execution), which changes no result.
 
 Anything else (host state, chunked and device parameters mixed, tensor-parallel placements, edges)
 raises ``PlanMismatchError`` saying what to do.
@@ -57,13 +56,16 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from cauto.plan import PlanDocument
 from cauto.profiler.capture import Capture, loss_of
-from cauto.runtime.chunks import ChunkedAdam, ChunkedModel, chunk_module
+from cauto.runtime.chunks.model import ChunkedModel
+from cauto.runtime.chunks.optim import ChunkedAdam
+from cauto.runtime.chunks.wrap import chunk_module
 from cauto.runtime.dist_utils import local_slices, to_placements
+from cauto.runtime.errors import PlanMismatchError
 from cauto.runtime.inputs import flat_inputs
 
 
-def _mismatch(message: str) -> Exception:
-    from cauto.runtime.apply import PlanMismatchError
+def mismatch(message: str) -> PlanMismatchError:
+    """The error a chunked plan that cannot run raises (message: what to change)."""
     return PlanMismatchError(message)
 
 
@@ -76,11 +78,11 @@ def refuse_host_state_and_frozen(plan: PlanDocument, model: nn.Module) -> None:
     """Raise PlanMismatchError for what no chunked plan runs: host state without chunks, frozen parameters."""
     host = [e["target"] for e in plan.params.values() if e.get("state") == "host"]
     if host:
-        raise _mismatch(f"the plan keeps {len(host)} parameters on the host without chunks (first: {host[0]!r}); "
+        raise mismatch(f"the plan keeps {len(host)} parameters on the host without chunks (first: {host[0]!r}); "
                         "the runtime runs chunked state only: solve with --offload chunked or auto")
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
     if frozen:
-        raise _mismatch(f"the model has frozen parameters ({frozen[0]!r}); chunked plans train every parameter: "
+        raise mismatch(f"the model has frozen parameters ({frozen[0]!r}); chunked plans train every parameter: "
                         "solve with --offload none")
 
 
@@ -91,26 +93,26 @@ def check_chunked(cap: Capture, plan: PlanDocument, model: nn.Module) -> None:
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     left = [n for n in trainable if n not in chunked]
     if left:
-        raise _mismatch(
+        raise mismatch(
             f"the plan chunks {len(chunked)} parameters but keeps {len(left)} on the device (first: {left[0]!r}); apply "
             "runs chunked state only when every trainable parameter is chunked (pure data parallelism): solve with "
             "--offload chunked (or auto), or with --offload none for a plan without chunks")
     bad = [e["target"] for e in plan.params.values()
            if e.get("state") == "chunked" and any(p != "R" for p in e["placements"])]
     if bad:
-        raise _mismatch(f"chunked parameter {bad[0]!r} is not Replicate on every mesh axis; chunked state is "
+        raise mismatch(f"chunked parameter {bad[0]!r} is not Replicate on every mesh axis; chunked state is "
                         "ZeRO-sharded by the chunk manager itself: the plan is malformed, solve again")
     if plan.edges:
         e = plan.edges[0]
-        raise _mismatch(f"the plan redistributes activations ({len(plan.edges)} edges, first {e['src']} -> {e['dst']}); "
+        raise mismatch(f"the plan redistributes activations ({len(plan.edges)} edges, first {e['src']} -> {e['dst']}); "
                         "with chunked state the model runs as written on each rank's batch slice: solve again with "
                         "--offload chunked, which plans pure data parallelism")
     if plan.checkpoint and plan.checkpoint.get("regions"):
-        raise _mismatch("the plan has checkpoint regions and chunked state; the chunk manager runs the model as "
+        raise mismatch("the plan has checkpoint regions and chunked state; the chunk manager runs the model as "
                         "written: solve with --checkpoint none --offload chunked")
     axes = list(plan.offload.get("mesh_axes", range(len(plan.mesh["shape"])))) if plan.offload else []
     if plan.offload is None or sorted(axes) != list(range(len(plan.mesh["shape"]))):
-        raise _mismatch("the plan's offload section is missing or shards chunks over only some mesh axes; the "
+        raise mismatch("the plan's offload section is missing or shards chunks over only some mesh axes; the "
                         "runtime ZeRO-shards chunks over the whole mesh: solve again with --offload chunked")
     mesh = plan.mesh["shape"]
     for node in cap.graph.nodes:
@@ -119,14 +121,14 @@ def check_chunked(cap: Capture, plan: PlanDocument, model: nn.Module) -> None:
         pl = tuple(plan.nodes[node.name]["outputs"][0])
         split = tuple("S(0)" if n > 1 else "R" for n in mesh)
         if pl not in (split, ("R",) * len(mesh)):
-            raise _mismatch(f"input {cap.placeholders[node.name][1]!r} is placed {list(pl)}; with chunked state an "
+            raise mismatch(f"input {cap.placeholders[node.name][1]!r} is placed {list(pl)}; with chunked state an "
                             f"input is split on its batch dim over the whole mesh ({list(split)}) or replicated")
         shape = tuple(node.meta["val"].shape)
         world = 1
         for n in mesh:
             world *= n
         if pl == split and (not shape or shape[0] % world):
-            raise _mismatch(f"input {cap.placeholders[node.name][1]!r} has batch {shape[:1]}, which does not split "
+            raise mismatch(f"input {cap.placeholders[node.name][1]!r} has batch {shape[:1]}, which does not split "
                             f"evenly over {world} ranks; use a batch divisible by {world}")
 
 
@@ -221,19 +223,11 @@ class ChunkedParallelModule(nn.Module):
         return scaled + (value - scaled.detach())
 
 
-#: bytes per chunk element over every chunk list (param, grad, reduced grad, Adam m and v; fp32)
-_ALL_LISTS_BYTES_PER_ELEM = 20
-
-
 def device_budget_bytes(plan: PlanDocument, device: torch.device) -> int:
-    """The chunk manager's device budget: the plan's, capped on the simulated CPU device (module docstring)."""
-    budget = int(plan.offload["device_budget_bytes"])
-    if device.type != "cpu":
-        return budget
-    off = plan.offload
-    cap = 2 * int(plan.predictions["peak_bytes"]) + _ALL_LISTS_BYTES_PER_ELEM * int(
-        off.get("num_chunks", 0)) * int(off["chunk_elems"])
-    return min(budget, cap) if off.get("num_chunks") else budget
+    """The chunk manager's device budget as the plan gives it: ``offload.device_budget_bytes`` on a real
+    device, ``offload.simulated_device_budget_bytes`` on the CPU's simulated one (cauto.plan.execution)."""
+    key = "simulated_device_budget_bytes" if device.type == "cpu" else "device_budget_bytes"
+    return int(plan.offload[key])
 
 
 def apply_chunked(fn: Callable, cap: Capture, plan: PlanDocument, mesh: DeviceMesh, *, seed: int | None,
