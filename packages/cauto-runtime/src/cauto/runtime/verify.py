@@ -28,7 +28,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from cauto.profiler.memory_session import memory_session
 from cauto.runtime.dist_utils import local_slices, to_placements
 
-_OP_NAMES = {"all_gather_into_tensor": "all_gather", "all_gather": "all_gather", "allgather_": "all_gather",
+_OP_NAMES = {"all_reduce_": "all_reduce", "all_gather_into_tensor": "all_gather", "all_gather": "all_gather", "allgather_": "all_gather",
              "_allgather_base_": "all_gather", "all_reduce": "all_reduce", "allreduce_": "all_reduce",
              "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
              "_reduce_scatter_base_": "reduce_scatter", "all_to_all_single": "all_to_all", "alltoall_": "all_to_all",
@@ -168,6 +168,14 @@ def _implicit_free_ns(allocation: tuple[int, int, int, int], reused_ns: int | No
     return min(end, reused_ns) if reused_ns is not None else end
 
 
+def _counting_mode() -> CommDebugMode:
+    """CommDebugMode that also counts the in-place functional all-reduce (the local program's gradient
+    buckets, lowering.bucket_gradient_reductions), which torch's registry leaves out."""
+    mode = CommDebugMode()
+    mode.comm_registry.add(torch.ops._c10d_functional.all_reduce_)
+    return mode
+
+
 def count_step_collectives(module, args: tuple, kwargs: dict):
     """Run forward and backward once, counting collectives: (forward mode, backward mode, grad-sync buckets, loss).
 
@@ -182,7 +190,7 @@ def count_step_collectives(module, args: tuple, kwargs: dict):
         with torch.no_grad(), CommDebugMode() as fwd:
             module(*args, **kwargs)
         loss = module(*args, **kwargs)
-        with CommDebugMode() as bwd:
+        with _counting_mode() as bwd:
             loss.backward()
     return fwd, bwd, list(module.grad_sync.last_buckets), loss
 
