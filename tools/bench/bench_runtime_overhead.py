@@ -176,12 +176,12 @@ def main() -> None:
             "`foreach`: `foreach=True` where the parameters are all DTensors or all plain (parallelize_module "
             "leaves embeddings plain: its rows use the default there). \"DTensor ops\": DTensor dispatches per "
             "step.\n\n" + "\n".join(rows) + "\n\n"
-            "Where the data-parallel rows stay above 1.00: torch.profiler over single steps of the same setup "
+            "Where the data-parallel rows are above 1.00 (0.99-1.02 from run to run): torch.profiler over single steps of the same setup "
             "puts the difference in the Python that calls the lowered graphs' aten ops one by one (about 300 in "
             "forward, 450 in backward; self time of AOTAutograd's CompiledFunction 1.6 ms and "
             "CompiledFunctionBackward 3.4 ms per step) against DDP's module forward and C++ autograd engine. The "
-            "kernels are the same ops, and the gradient buckets cost one copy per step (reduced in place in a kept "
-            "buffer that the gradients view) where DDP's reducer makes two. `compile=True` removes the per-op "
+            "kernels are the same ops, and the gradient buckets cost one copy per step (reduced in place in their "
+            "concatenation, which the gradients then view) where DDP's reducer makes two. `compile=True` removes the per-op "
             "Python.\n")
     print(body)
     if args.write:

@@ -190,21 +190,18 @@ class _AsReplicated(torch.autograd.Function):
         return grad, None, None, None
 
 
-_BUCKETS_ATTR = "grad_bucket_buffers"
-
-
 def bucket_gradient_reductions(gm: torch.fx.GraphModule, mesh: DeviceMesh, bucket_bytes: int) -> list[tuple]:
     """Group the backward graph's gradient all-reduces (an all-reduce whose waited result is only returned)
     into buckets of at most ``bucket_bytes``, in the order the gradients appear: each bucket is one
-    in-place all-reduce of the gradients copied into one flat buffer (``bucket_buffer``), issued where
-    its last gradient is ready and waited for only before the graph returns, so it runs while the rest
-    of backward computes; the reduced gradients are views of the buffer (DDP's gradient-as-bucket-view:
-    no copy back, no per-step allocation). Returns the buckets as ``("all_reduce", mesh axis, bytes)``,
-    in issue order."""
+    in-place all-reduce of the gradients concatenated into one flat buffer, issued where its last
+    gradient is ready and waited for only before the graph returns, so it runs while the rest of
+    backward computes; the reduced gradients are views of the buffer (no copy back, and no second
+    buffer: the out-of-place functional all-reduce would clone it). The buffer lives as long as the
+    gradients that view it: a buffer kept across steps (DDP's) would add its bytes to the peak that
+    the plan predicts. Returns the buckets as ``("all_reduce", mesh axis, bytes)``, in issue order."""
     import operator
 
     aten, funcol = torch.ops.aten, torch.ops._c10d_functional
-    setattr(gm, _BUCKETS_ATTR, {})
     axis_of = {mesh.get_group(a).group_name: a for a in range(mesh.ndim)}
     output = gm.graph.output_node()
     members: dict[tuple, list[tuple[torch.fx.Node, torch.fx.Node]]] = {}
@@ -240,20 +237,17 @@ def bucket_gradient_reductions(gm: torch.fx.GraphModule, mesh: DeviceMesh, bucke
             sizes = [ar.args[0].meta["val"].numel() for ar, _ in chunk]
             cursor = last
 
-            def add(target, args, kwargs=None):
+            def add(target, args):
                 nonlocal cursor
                 with gm.graph.inserting_after(cursor):
-                    cursor = gm.graph.call_function(target, args, kwargs)
+                    cursor = gm.graph.call_function(target, args)
                 return cursor
 
             flats = [add(aten.view.default, (ar.args[0], [-1])) for ar, _ in chunk]
             total = sum(sizes)
-            with gm.graph.inserting_after(cursor):
-                cursor = gm.graph.get_attr(_BUCKETS_ATTR)
-            buffer = add(bucket_buffer, (cursor, len(buckets), flats[0], total))
-            cat = add(aten.cat.out, (flats,), {"out": buffer})
+            cat = add(aten.cat.default, (flats,))
             reduced = add(funcol.all_reduce_.default, (cat, op, group))
-            buffer.meta["val"] = cat.meta["val"] = reduced.meta["val"] = torch.empty(total, dtype=dtype, device="meta")
+            cat.meta["val"] = reduced.meta["val"] = torch.empty(total, dtype=dtype, device="meta")
             with gm.graph.inserting_before(output):
                 waited = gm.graph.call_function(funcol.wait_tensor.default, (reduced,))
                 parts = gm.graph.call_function(aten.split_with_sizes.default, (waited, sizes))
@@ -267,24 +261,6 @@ def bucket_gradient_reductions(gm: torch.fx.GraphModule, mesh: DeviceMesh, bucke
             buckets.append(("all_reduce", axis_of[group], total * torch.empty((), dtype=dtype).element_size()))
     gm.recompile()
     return buckets
-
-
-def bucket_buffer(store: dict, index: int, like: torch.Tensor, numel: int) -> torch.Tensor:
-    """The flat buffer gradient bucket ``index`` is reduced in: the previous step's when nothing else
-    holds its storage any more (the gradients that viewed it were set to None or replaced), otherwise a
-    new one (gradients kept across steps, as when accumulating, still view the old one)."""
-    from torch._subclasses.fake_tensor import is_fake
-
-    if is_fake(like):  # tracing: nothing to keep
-        return torch.empty(numel, dtype=like.dtype, device=like.device)
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    kept = store.get(index)
-    if kept is not None and use_count is not None and kept[0].device == like.device \
-            and use_count(kept[0].untyped_storage()._cdata) <= kept[1]:
-        return kept[0]
-    buffer = torch.empty(numel, dtype=like.dtype, device=like.device)
-    store[index] = (buffer, use_count(buffer.untyped_storage()._cdata) if use_count is not None else 0)
-    return buffer
 
 
 class LocalProgram(torch.nn.Module):

@@ -49,20 +49,28 @@ def predicted_counts(plan, phases: tuple[str, ...]) -> Counter:
     return Counter(c["op"] for c in plan.predictions["collectives"] if c.get("phase", "forward") in phases)
 
 
-def _tensor_bytes(t) -> int:
-    if isinstance(t, DTensor):
-        t = t._local_tensor
-    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
-
-
 def live_state_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
-    """Bytes of this rank's parameters, gradients, buffers and optimizer state."""
-    total = sum(_tensor_bytes(p) + (_tensor_bytes(p.grad) if p.grad is not None else 0) for p in module.parameters())
-    total += sum(_tensor_bytes(b) for b in module.buffers())
+    """Bytes of this rank's parameters, gradients, buffers and optimizer state, each storage counted
+    once (the gradients of one bucket view its flat buffer: lowering.bucket_gradient_reductions)."""
+    storages: dict[int, int] = {}
+
+    def add(t) -> None:
+        if isinstance(t, DTensor):
+            t = t._local_tensor
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            s = t.untyped_storage()
+            storages[s.data_ptr()] = max(storages.get(s.data_ptr(), 0), s.nbytes())
+
+    for p in module.parameters():
+        add(p)
+        add(p.grad)
+    for b in module.buffers():
+        add(b)
     if optimizer is not None:
         for state in optimizer.state.values():
-            total += sum(_tensor_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
-    return total
+            for v in state.values():
+                add(v)
+    return sum(storages.values())
 
 
 def input_shard_bytes(module) -> int:
