@@ -1,0 +1,338 @@
+"""cauto's automatic plans against the hand-written plans a user would write, 35.8 M-parameter GPT, 4 gloo ranks.
+
+The model: the zoo GPT with vocab 16384, d_model 512, 6 layers, 8 heads, seq 256, global batch 16
+(35.8 M parameters). Hand plans, as a user writes them with torch.distributed:
+
+* DDP over the 4 ranks (a quarter of the batch each);
+* FSDP2 ``fully_shard`` per block and at the root (a quarter of the batch each);
+* Megatron TP: ``parallelize_module`` per block over the 4 ranks (q/k/v/fc column-split, proj/out
+  row-split, heads divided), the whole batch on every rank;
+* DP2xTP2: the same TP over the mesh's ``tp`` axis of 2, DDP over its ``dp`` axis of 2 (torch's
+  ``_pre_dp_module_transform``), half the batch per data-parallel rank.
+
+cauto plans the same model (``checkpoint="auto"``, on mesh (4,) and (2, 2); the plan with the least
+predicted step time wins) at four per-rank budgets: none, and just under (98% of) the measured peak
+of DDP, of Megatron TP and of FSDP2. Each runs as ``apply`` builds it, fed its rank's slice of the
+batch (``model.input_slices()``).
+
+One peak measure for every setup: the bytes of the rank's state (parameters, gradients, buffers,
+optimizer state; each storage once) and its inputs at the start of a steady-state step, plus the peak
+of the step's allocations (torch.profiler allocation events; ``cauto.runtime.verify.allocation_peak``).
+Under gloo some blocks are freed on gloo's threads, where no free event is recorded; the measure
+dates those frees (see allocation_peak). The same setups also run on a fake process group of 4 in one
+process (rank 0; collectives do nothing, every free is on the main thread), where no dating is
+needed: the two columns agree when the gloo measure is right.
+
+Step time: wall time of one training step (forward, backward, AdamW, zero_grad) between barriers,
+every setup in turn each round (one interleaved run), median over the rounds after a warm-up.
+
+    python tools/bench/bench_gpt_plans.py [--rounds 3] [--small] [--write]
+
+``--small`` runs a model of a few MB with the same setups (a rehearsal, minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+WORLD = 4
+FULL = dict(batch=16, seq=256, vocab=16384, dim=512, layers=6, heads=8)
+SMALL = dict(batch=16, seq=64, vocab=512, dim=64, layers=2, heads=4)
+HANDS = ("DDP", "FSDP2", "Megatron TP", "DP2xTP2")
+MiB = 2**20
+
+
+def factory(kw: dict):
+    from cauto.profiler.zoo import gpt
+    return lambda: gpt(**kw)
+
+
+def _megatron(block, mesh, ways: int) -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    block.attn.heads //= ways
+    block.attn.kv_heads //= ways
+    parallelize_module(block, mesh, {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
+                                     "attn.v": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+                                     "fc": ColwiseParallel(), "out": RowwiseParallel()})
+
+
+def _returned(state, bucket):
+    """DDP comm hook on the fake group, whose all-reduce gives nothing back: the bucket as it is."""
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def build_hand(name: str, fn, batch: dict, rank: int, fake: bool):
+    """(model, this rank's inputs) of hand plan ``name``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = fn()[0]
+    quarter = {k: v.chunk(WORLD)[rank] for k, v in batch.items()}
+    if name == "DDP":
+        ddp = DistributedDataParallel(model)
+        if fake:
+            ddp.register_comm_hook(None, _returned)
+        return ddp, quarter
+    if name == "FSDP2":
+        for block in model.blocks:
+            fully_shard(block)
+        return fully_shard(model), quarter
+    if name == "Megatron TP":
+        mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
+        for block in model.blocks:
+            _megatron(block, mesh, WORLD)
+        return model, batch
+    if name == "DP2xTP2":
+        from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        for block in model.blocks:
+            _megatron(block, mesh["tp"], 2)
+        _pre_dp_module_transform(model)
+        half = {k: v.chunk(2)[mesh.get_coordinate()[0]] for k, v in batch.items()}
+        ddp = DistributedDataParallel(model, process_group=mesh["dp"].get_group())
+        if fake:
+            ddp.register_comm_hook(None, _returned)
+        return ddp, half
+    raise ValueError(name)
+
+
+def build_cauto(path: str, fn):
+    from cauto.plan import load_plan
+    from cauto.runtime.apply import apply
+    from cauto.runtime.dist_utils import make_mesh
+
+    plan = load_plan(path)
+    mesh = make_mesh(plan.mesh["shape"], plan.mesh["axis_names"])
+    model = apply(fn, plan, mesh, seed=0)
+    torch.manual_seed(0)
+    _, batch = fn()
+    slices = model.input_slices()
+    return model, {k: v[slices[k]].contiguous() for k, v in batch.items()}
+
+
+def _uniform(model) -> bool:
+    from torch.distributed.tensor import DTensor
+    return len({isinstance(p, DTensor) for p in model.parameters()}) == 1
+
+
+def peak_bytes(step, model, opt, inputs: dict) -> int:
+    """The one peak measure (module docstring)."""
+    from cauto.profiler.memory_session import memory_session
+    from cauto.runtime.verify import allocation_peak, live_state_bytes
+
+    base = live_state_bytes(model, opt) + sum(v.numel() * v.element_size() for v in inputs.values())
+    with memory_session() as prof:
+        step()
+    return base + allocation_peak(prof, steady_state=True)
+
+
+def worker(args) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    if args.worker == "fake":
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
+    else:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=900))
+    rank = dist.get_rank()
+    kw = SMALL if args.small else FULL
+    fn = factory(kw)
+    torch.manual_seed(0)
+    _, batch = fn()
+    setups = {}
+    for name in [h for h in args.hands.split(",") if h]:
+        setups[name] = build_hand(name, fn, batch, rank, args.worker == "fake")
+    for label, path in json.loads(args.plans).items():
+        setups[label] = build_cauto(path, fn)
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=_uniform(m) or None) for k, (m, _) in setups.items()}
+
+    def stepper(name):
+        model, inputs = setups[name]
+
+        def step():
+            model(**inputs).backward()
+            opts[name].step()
+            opts[name].zero_grad()
+        return step
+
+    times: dict[str, list[float]] = {k: [] for k in setups}
+    rounds = args.rounds if args.worker == "gloo" else 0
+    for r in range(rounds + 1):  # round 0 warms up (optimizer state, lowering)
+        for name in setups:
+            dist.barrier()
+            start = time.perf_counter()
+            stepper(name)()
+            dist.barrier()
+            if r:
+                times[name].append(time.perf_counter() - start)
+    peaks = {name: peak_bytes(stepper(name), setups[name][0], opts[name], setups[name][1]) for name in setups}
+    collectives = {}
+    if args.worker == "gloo":
+        from cauto.runtime.verify import verify_step
+        for name, (model, inputs) in setups.items():
+            if hasattr(model, "plan") and hasattr(model, "executable"):
+                report = verify_step(model, ((), inputs), opts[name])
+                collectives[name] = all(report[ph]["predicted"] == report[ph]["executed"]
+                                        for ph in ("forward", "backward"))
+    gathered = [None] * dist.get_world_size()
+    if args.worker == "gloo":
+        dist.all_gather_object(gathered, peaks)
+    else:
+        gathered = [peaks]
+    if rank == 0:
+        print("RESULT " + json.dumps({
+            "times": {k: statistics.median(v) for k, v in times.items() if v},
+            "peaks": {k: [g[k] for g in gathered] for k in peaks}, "collectives_ok": collectives}), flush=True)
+    dist.destroy_process_group()
+
+
+def launch(args, mode: str, hands: list[str], plans: dict[str, str]) -> dict:
+    from cauto.runtime.dist_utils import free_port
+    argv = [sys.executable, os.path.abspath(__file__), "--worker", mode, "--hands", ",".join(hands),
+            "--plans", json.dumps(plans), "--rounds", str(args.rounds)] + (["--small"] if args.small else [])
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(WORLD),
+               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    n = WORLD if mode == "gloo" else 1
+    procs = [subprocess.Popen(argv, env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for r in range(n)]
+    logs = [p.communicate(timeout=3600)[0] for p in procs]
+    line = next((ln for ln in logs[0].splitlines() if ln.startswith("RESULT ")), None)
+    if line is None or any(p.returncode for p in procs):
+        sys.exit(f"{mode} run failed:\n" + "\n".join(log[-3000:] for log in logs))
+    return json.loads(line[len("RESULT "):])
+
+
+def automatic_plans(graph, budgets: dict[str, int | None], out_dir: str) -> tuple[dict[str, str], dict[str, dict]]:
+    """cauto's plan per budget: the least predicted step time over meshes (4,) and (2, 2)."""
+    from cauto.plan import dump
+    from cauto.solver import InfeasibleBudgetError, cluster_for_mesh, plan
+
+    paths, info = {}, {}
+    for label, budget in budgets.items():
+        best, tried = None, []
+        for mesh in ((WORLD,), (2, 2)):
+            start = time.perf_counter()
+            try:
+                doc = plan(graph, cluster_for_mesh("cpu-gloo", mesh), memory_budget=budget, checkpoint="auto")
+            except InfeasibleBudgetError as exc:
+                tried.append(f"{mesh}: {exc.needed_bytes / MiB:.0f} MiB needed")
+                continue
+            seconds = time.perf_counter() - start
+            if best is None or doc["predictions"]["step_time_s"]["total"] < best[0]["predictions"]["step_time_s"]["total"]:
+                best = (doc, seconds)
+        if best is None:
+            info[label] = {"infeasible": "; ".join(tried)}
+            continue
+        doc, seconds = best
+        path = os.path.join(out_dir, f"plan_{len(paths)}.json")
+        dump(doc, path)
+        paths[label] = path
+        info[label] = {"mesh": doc["mesh"]["shape"], "predicted_s": doc["predictions"]["step_time_s"]["total"],
+                       "predicted_peak": doc["predictions"]["peak_bytes"], "budget": budget, "solve_s": seconds,
+                       "regions": len((doc.get("checkpoint") or {}).get("regions", [])),
+                       "summary": _summary(doc)}
+    return paths, info
+
+
+def _summary(doc: dict) -> str:
+    """Parameters' placements in a few words: how many are replicated, sharded, or split over a tp axis."""
+    kinds = {}
+    for entry in doc["params"].values():
+        kinds[",".join(entry["placements"])] = kinds.get(",".join(entry["placements"]), 0) + 1
+    return "; ".join(f"{n}x[{k}]" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1])[:3])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--write", action="store_true")
+    ap.add_argument("--worker", choices=["gloo", "fake"], help=argparse.SUPPRESS)
+    ap.add_argument("--hands", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--plans", default="{}", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    from cauto.profiler import profile
+
+    kw = SMALL if args.small else FULL
+    start = time.perf_counter()
+    graph = profile(factory(kw)).to_graph()
+    profile_s = time.perf_counter() - start
+    hands_fake = launch(args, "fake", list(HANDS), {})["peaks"]
+    budgets = {"none": None}
+    for hand in ("DDP", "Megatron TP", "FSDP2"):
+        budgets[f"under {hand}"] = int(0.98 * max(hands_fake[hand]))
+    out_dir = tempfile.mkdtemp(prefix="bench_gpt_plans_")
+    plans, info = automatic_plans(graph, budgets, out_dir)
+    labels = {f"cauto ({label})": path for label, path in plans.items()}
+    fake = {**hands_fake, **launch(args, "fake", [], labels)["peaks"]}
+    real = launch(args, "gloo", list(HANDS), labels)
+    rows = ["| setup | budget (MiB) | mesh | predicted step (s) | measured step (s) | predicted peak (MiB) | "
+            "measured peak, gloo, max over ranks (MiB) | measured peak, fake group (MiB) | fits | collectives |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---|---|"]
+    for name in HANDS:
+        rows.append(f"| {name} | | | | {real['times'][name]:.2f} | | {max(real['peaks'][name]) / MiB:.1f} | "
+                    f"{max(fake[name]) / MiB:.1f} | | |")
+    verdicts = []
+    for label, budget in budgets.items():
+        name = f"cauto ({label})"
+        if label not in plans:
+            rows.append(f"| {name} | {budget / MiB:.1f} | no plan: {info[label]['infeasible']} | | | | | | | |")
+            continue
+        i = info[label]
+        peak = max(real["peaks"][name])
+        fits = budget is None or peak <= budget
+        rows.append(f"| {name} | {'' if budget is None else f'{budget / MiB:.1f}'} | {tuple(i['mesh'])}, "
+                    f"{i['regions']} regions | {i['predicted_s']:.2f} | {real['times'][name]:.2f} | "
+                    f"{i['predicted_peak'] / MiB:.1f} | {peak / MiB:.1f} | {max(fake[name]) / MiB:.1f} | "
+                    f"{'yes' if fits else 'NO'} | {'as planned' if real['collectives_ok'].get(name) else 'DIFF'} |")
+        fitting = [h for h in HANDS if budget is None or max(real["peaks"][h]) <= budget]
+        if fitting:
+            fastest = min(fitting, key=lambda h: real["times"][h])
+            verdicts.append(f"{label}: cauto {real['times'][name]:.2f} s vs {fastest} {real['times'][fastest]:.2f} s "
+                            f"(the fastest hand plan within the budget): {real['times'][name] / real['times'][fastest]:.2f}x")
+        else:
+            verdicts.append(f"{label}: no hand plan fits; cauto {'fits' if fits else 'does NOT fit'}")
+    predicted = [info[lb]["predicted_s"] for lb in plans]
+    measured = [real["times"][f"cauto ({lb})"] for lb in plans]
+    errors = [abs(p / m - 1) for p, m in zip(predicted, measured)]
+
+    def order(xs):
+        return sorted(range(len(xs)), key=lambda k: xs[k])
+    body = (f"Command: `python tools/bench/bench_gpt_plans.py --write`\n\nZoo GPT {kw} "
+            f"(profiled in {profile_s:.1f} s); 4 gloo ranks on this machine (2 cores), "
+            f"median of {args.rounds} steps after a warm-up, every setup in turn each round. Peak: one measure "
+            "for every setup (module docstring of the script); the fake-group column is the same measure on a "
+            "fake process group of 4 in one process, where every free is recorded.\n\n" + "\n".join(rows)
+            + "\n\nAutomatic plan against the fastest hand plan that fits the same budget:\n\n"
+            + "\n".join(f"* {v}" for v in verdicts)
+            + f"\n\nStep-time prediction of cauto's plans: median error {statistics.median(errors) * 100:.0f}% "
+            f"(each: {', '.join(f'{e * 100:.0f}%' for e in errors)}); same order by prediction as by measurement: "
+            f"{'yes' if order(predicted) == order(measured) else 'no'}.\n")
+    print(body)
+    if args.write and not args.small:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from results_md import replace_section
+        replace_section("Automatic plans against hand-written plans: 35.8 M GPT, 4 gloo ranks", body)
+
+
+if __name__ == "__main__":
+    main()
