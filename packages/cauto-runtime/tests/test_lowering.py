@@ -119,3 +119,24 @@ def test_data_parallel_gradients_are_bucketed_in_the_backward_graph_and_overlap_
     assert sum(b for _, _, b in buckets) == total  # every gradient reduced exactly once
     # the gradients view their bucket's buffer, which the all-reduce wrote in place (no second copy)
     assert len({p.grad.untyped_storage().data_ptr() for p in model.parameters()}) == len(buckets)
+
+
+def test_a_plan_the_program_cannot_run_fails_before_the_first_step_naming_node_module_and_placements():
+    """A parameter whose output the plan places Partial(sum) (found by the fuzz test): refused when the
+    program is lowered, with the node, its module path and its planned placements in one line."""
+    from cauto.profiler import zoo
+    from cauto.runtime.apply import apply
+    from cauto.runtime.dist_utils import make_mesh
+    from cauto.runtime.lowering import LoweringError
+
+    fake_world(2)
+    plan = plan_for("gpt", KW["gpt"], (2,), ["dp"], inputs="S(0)")
+    (param,) = [n for n, e in plan["params"].items() if e["target"] == "blocks.0.fc.weight"]
+    plan["nodes"][param]["outputs"] = [["P(sum)"]]
+    cap = zoo_capture("gpt", KW["gpt"])
+    with pytest.raises(LoweringError) as info:
+        apply(lambda: zoo.gpt(**KW["gpt"]), plan, make_mesh((2,), ["dp"]), seed=0, captured=cap,
+              check_placements=False)
+    message = str(info.value)
+    assert "\n" not in message and "blocks.0.fc" in message and "P(sum)" in message, message
+    assert "solve the plan again" in message

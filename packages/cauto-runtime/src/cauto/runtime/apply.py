@@ -295,7 +295,7 @@ def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, 
         lowering = "dtensor"
     if lowering == "local":
         _replicated_as_plain(model, mesh)
-    lowered = LocalProgram(executable.module, mesh, compile=compile) if lowering == "local" else None
+    lowered = LocalProgram(executable.module, mesh, compile=compile, plan_nodes=plan.nodes) if lowering == "local" else None
     module = ParallelModule(model, cap, plan, mesh, executable, bucket_bytes, lowered=lowered)
     if lowered is not None:
         lowered.prepare(module._state, [(tuple(n.meta["val"].shape), n.meta["val"].dtype)

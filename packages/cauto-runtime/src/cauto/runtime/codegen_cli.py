@@ -79,7 +79,7 @@ def local_program_of(cap, plan, mesh, executable):
     if plain:  # data parallel: the runtime keeps these parameters plain (apply._replicated_as_plain)
         state = [torch.nn.Parameter(x._local_tensor, requires_grad=True) if i in plain else x
                  for i, x in enumerate(state)]
-    lowered = LocalProgram(executable.module, mesh, plain=plain)
+    lowered = LocalProgram(executable.module, mesh, plain=plain, plan_nodes=plan.nodes)
     lowered.prepare(state, inputs)
     return lowered
 

@@ -121,21 +121,43 @@ class LoweringError(ValueError):
     """The plan's program cannot be lowered to a local program; the message names the node and what to do."""
 
 
-def _lowering_failure(exc: BaseException) -> str:
-    """One line for a trace that failed: the program node whose line raised (plan.nodes id), and why."""
+def _lowering_failure(exc: BaseException, program: torch.fx.GraphModule | None = None,
+                      plan_nodes: dict | None = None) -> str:
+    """One line for a trace that failed: the program node whose line raised (plan.nodes id; for a
+    redistribution the runtime inserted, the plan node it feeds), its module path and its planned
+    placements, and why."""
     import re
     import traceback
 
-    node = None
+    from cauto.profiler.capture import module_path
+
+    name = None
     for frame in traceback.extract_tb(exc.__traceback__):
         if frame.filename.startswith("<eval_with_key"):
             match = re.match(r"\s*(\w+) = ", frame.line or "")
-            if match and node is None:
-                node = match.group(1)
+            if match and name is None:
+                name = match.group(1)
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    where = f"at program node {node!r} (plan.nodes, or the redistribution inserted before it)" if node else ""
+    where = ""
+    if name:
+        node = next((n for n in program.graph.nodes if n.name == name), None) if program is not None else None
+        planned = (plan_nodes or {}).get(name)
+        fed = node
+        while planned is None and fed is not None and len(fed.users) == 1:  # an inserted redistribution
+            (fed,) = fed.users
+            planned = (plan_nodes or {}).get(fed.name)
+        details = []
+        if fed is not None and fed is not node:
+            details.append(f"feeding plan node {fed.name!r}")
+        if fed is not None and module_path(fed):
+            details.append(f"module {module_path(fed)}")
+        if planned is not None:
+            pl = lambda xs: " ".join("[" + ",".join(p) + "]" for p in xs)  # noqa: E731
+            details.append(f"planned inputs {pl(planned.get('inputs', []))} -> outputs {pl(planned.get('outputs', []))}")
+        where = f"at program node {name!r}" + (f" ({'; '.join(details)})" if details else "")
     return (f"the plan cannot run as a program {where}: {type(exc).__name__}: {first}; "
-            "the placements there are not ones DTensor can execute: solve the plan again (cauto plan)")
+            "the placements there are not ones DTensor can execute: solve the plan again (cauto plan), or "
+            "give that module's parameters other placements")
 
 
 _SEEDLESS: dict = {}
@@ -273,9 +295,11 @@ class LocalProgram(torch.nn.Module):
     """
 
     def __init__(self, program: torch.fx.GraphModule, mesh: DeviceMesh, *, compile: bool = False,
-                 plain: set[int] | None = None, bucket_bytes: int = 25 * 2**20):
+                 plain: set[int] | None = None, bucket_bytes: int = 25 * 2**20, plan_nodes: dict | None = None):
         super().__init__()
         self.__dict__["program"] = program  # not a submodule: its parameters are the model's
+        #: the plan's nodes (placements by program node name), for the message of a plan that cannot be lowered
+        self.plan_nodes = plan_nodes
         self.mesh = mesh
         #: argument positions of parameters kept as plain tensors (replicated on every mesh axis)
         self.plain = set(plain or ())
@@ -335,7 +359,7 @@ class LocalProgram(torch.nn.Module):
         except LoweringError:
             raise
         except Exception as exc:  # noqa: BLE001 - any failure of the trace is a plan the program cannot run
-            raise LoweringError(_lowering_failure(exc)) from exc
+            raise LoweringError(_lowering_failure(exc, self.program, self.plan_nodes)) from exc
 
     def _trace_or_raise(self, args, input_device: torch.device | None):
         import torch.fx.traceback as fx_traceback
