@@ -7,7 +7,10 @@ What it measures (torch, gloo on loopback, one thread per rank):
   messages of 16 KiB .. 16 MiB; α (latency) and β (1/bandwidth) are fitted by least squares on the
   α-β model of cauto.solver.reshard (all-gather/reduce-scatter α + β·B·(n−1)/n, all-reduce twice).
 * device: matmul FLOP/s (median of square fp32 matmuls), memory bandwidth (large copies, bytes read
-  plus written), kernel floor (median time of a tiny op), memory = physical RAM / world.
+  plus written), kernel floor (median time of a tiny op called as the local program calls it, through
+  its OpOverload), memory = physical RAM / world. Each is timed on ``--world`` ranks at once (the
+  median over ranks): a step runs every rank at once, and ranks share cores when there are more
+  ranks than cores.
 All ranks of one host share one node, so the intra- and inter-node links are the same measurement.
 """
 
@@ -100,20 +103,44 @@ def measure_links(world: int, sizes: list[int], repeats: int) -> AxisLink:
     return AxisLink(alpha, 1.0 / beta)
 
 
-def measure_device(world: int, quick: bool) -> DeviceSpec:
-    """Matmul FLOP/s, copy bandwidth, kernel floor and memory share of one rank (one thread)."""
+def _device_rank(rank: int, world: int, port: int, quick: bool, out) -> None:
+    """One rank's device timings, taken while every other rank takes its own (as in a training step,
+    where all ranks compute at once and share the machine's cores and memory bandwidth)."""
     torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     n = 512 if quick else 1024
     a, b = torch.randn(n, n), torch.randn(n, n)
-    flops = 2 * n**3 / _time(lambda: a @ b, 5 if quick else 10)
     big = torch.empty(16 << 20 if quick else 64 << 20, dtype=torch.uint8)
     dst = torch.empty_like(big)
-    bandwidth = 2 * big.numel() / _time(lambda: dst.copy_(big), 5)
     x = torch.ones(1)
-    floor = _time(lambda: x.add(x), 200)
+    add = torch.ops.aten.add.Tensor  # the local program calls each op through its OpOverload
+    dist.barrier()
+    flops = 2 * n**3 / _time(lambda: a @ b, 5 if quick else 10)
+    dist.barrier()
+    bandwidth = 2 * big.numel() / _time(lambda: dst.copy_(big), 5)
+    dist.barrier()
+    floor = _time(lambda: add(x, x), 200)
+    out.put((rank, flops, bandwidth, floor))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure_device(world: int, quick: bool) -> DeviceSpec:
+    """Matmul FLOP/s, copy bandwidth, kernel floor and memory share of one rank (one thread), each
+    measured on ``world`` ranks at once (their median)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_device_rank, args=(r, world, port, quick, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    rows = [queue.get(timeout=600) for _ in range(world)]
+    for p in procs:
+        p.join(timeout=60)
+    flops, bandwidth, floor = (statistics.median(r[k] for r in rows) for k in (1, 2, 3))
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    print(f"device: {flops / 1e9:.1f} GFLOP/s, {bandwidth / 1e9:.1f} GB/s copy, floor {floor * 1e6:.1f} us, "
-          f"{ram / world / 2**30:.1f} GiB per rank")
+    print(f"device ({world} ranks at once, {os.cpu_count()} cores): {flops / 1e9:.1f} GFLOP/s, "
+          f"{bandwidth / 1e9:.1f} GB/s copy, floor {floor * 1e6:.1f} us, {ram / world / 2**30:.1f} GiB per rank")
     # the chunk manager's device arena and its host buffers are both RAM here: copies are the host link
     return DeviceSpec("cpu", int(ram // world), flops, bandwidth, floor, all_to_all=False,
                       host_link_bandwidth_bytes_per_s=bandwidth)

@@ -218,18 +218,32 @@ def launch(args, mode: str, hands: list[str], plans: dict[str, str]) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
-def automatic_plans(graph, budgets: dict[str, int | None], out_dir: str) -> tuple[dict[str, str], dict[str, dict]]:
-    """cauto's plan per budget: the least predicted step time over meshes (4,) and (2, 2)."""
+def calibrate(out_dir: str) -> str:
+    """This machine's cluster spec, measured now by tools/calibrate.py (4 ranks at once)."""
+    path = os.path.join(out_dir, "cluster.json")
+    tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "calibrate.py")
+    done = subprocess.run([sys.executable, tool, "-o", path, "--world", str(WORLD)], capture_output=True, text=True,
+                          timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if done.returncode:
+        sys.exit("calibration failed:\n" + done.stdout[-2000:] + done.stderr[-2000:])
+    print(done.stdout.strip(), file=sys.stderr)
+    return path
+
+
+def automatic_plans(graph, budgets: dict[str, int | None], out_dir: str,
+                    hardware: str) -> tuple[dict[str, str], dict[str, dict]]:
+    """cauto's plan per budget: the least predicted step time over meshes (4,) and (2, 2); a budget
+    whose plan is the same as an earlier budget's shares its run."""
     from cauto.plan import dump
     from cauto.solver import InfeasibleBudgetError, cluster_for_mesh, plan
 
-    paths, info = {}, {}
+    paths, info, seen = {}, {}, {}
     for label, budget in budgets.items():
         best, tried = None, []
         for mesh in ((WORLD,), (2, 2)):
             start = time.perf_counter()
             try:
-                doc = plan(graph, cluster_for_mesh("cpu-gloo", mesh), memory_budget=budget, checkpoint="auto")
+                doc = plan(graph, cluster_for_mesh(hardware, mesh), memory_budget=budget, checkpoint="auto")
             except InfeasibleBudgetError as exc:
                 tried.append(f"{mesh}: {exc.needed_bytes / MiB:.0f} MiB needed")
                 continue
@@ -240,6 +254,12 @@ def automatic_plans(graph, budgets: dict[str, int | None], out_dir: str) -> tupl
             info[label] = {"infeasible": "; ".join(tried)}
             continue
         doc, seconds = best
+        key = json.dumps({k: doc[k] for k in ("mesh", "nodes", "params", "edges", "checkpoint") if k in doc},
+                         sort_keys=True)
+        if key in seen:
+            info[label] = {**info[seen[key]], "same_as": seen[key], "budget": budget}
+            continue
+        seen[key] = label
         path = os.path.join(out_dir, f"plan_{len(paths)}.json")
         dump(doc, path)
         paths[label] = path
@@ -263,6 +283,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--write", action="store_true")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="plan with this machine measured now (tools/calibrate.py) instead of the cpu-gloo preset")
     ap.add_argument("--worker", choices=["gloo", "fake"], help=argparse.SUPPRESS)
     ap.add_argument("--hands", default="", help=argparse.SUPPRESS)
     ap.add_argument("--plans", default="{}", help=argparse.SUPPRESS)
@@ -281,7 +303,8 @@ def main() -> None:
     for hand in ("DDP", "Megatron TP", "FSDP2"):
         budgets[f"under {hand}"] = int(0.98 * max(hands_fake[hand]))
     out_dir = tempfile.mkdtemp(prefix="bench_gpt_plans_")
-    plans, info = automatic_plans(graph, budgets, out_dir)
+    hardware = calibrate(out_dir) if args.calibrate else "cpu-gloo"
+    plans, info = automatic_plans(graph, budgets, out_dir, hardware)
     labels = {f"cauto ({label})": path for label, path in plans.items()}
     fake = {**hands_fake, **launch(args, "fake", [], labels)["peaks"]}
     real = launch(args, "gloo", list(HANDS), labels)
@@ -294,16 +317,21 @@ def main() -> None:
     verdicts = []
     for label, budget in budgets.items():
         name = f"cauto ({label})"
-        if label not in plans:
+        if "infeasible" in info[label]:
             rows.append(f"| {name} | {budget / MiB:.1f} | no plan: {info[label]['infeasible']} | | | | | | | |")
             continue
         i = info[label]
+        name = f"cauto ({i.get('same_as', label)})"
         peak = max(real["peaks"][name])
         fits = budget is None or peak <= budget
-        rows.append(f"| {name} | {'' if budget is None else f'{budget / MiB:.1f}'} | {tuple(i['mesh'])}, "
-                    f"{i['regions']} regions | {i['predicted_s']:.2f} | {real['times'][name]:.2f} | "
-                    f"{i['predicted_peak'] / MiB:.1f} | {peak / MiB:.1f} | {max(fake[name]) / MiB:.1f} | "
-                    f"{'yes' if fits else 'NO'} | {'as planned' if real['collectives_ok'].get(name) else 'DIFF'} |")
+        if "same_as" in i:
+            rows.append(f"| cauto ({label}) | {budget / MiB:.1f} | the plan of {i['same_as']} | | | | | | "
+                        f"{'yes' if fits else 'NO'} | |")
+        else:
+            rows.append(f"| {name} | {'' if budget is None else f'{budget / MiB:.1f}'} | {tuple(i['mesh'])}, "
+                        f"{i['regions']} regions | {i['predicted_s']:.2f} | {real['times'][name]:.2f} | "
+                        f"{i['predicted_peak'] / MiB:.1f} | {peak / MiB:.1f} | {max(fake[name]) / MiB:.1f} | "
+                        f"{'yes' if fits else 'NO'} | {'as planned' if real['collectives_ok'].get(name) else 'DIFF'} |")
         fitting = [h for h in HANDS if budget is None or max(real["peaks"][h]) <= budget]
         if fitting:
             fastest = min(fitting, key=lambda h: real["times"][h])
@@ -317,8 +345,11 @@ def main() -> None:
 
     def order(xs):
         return sorted(range(len(xs)), key=lambda k: xs[k])
-    body = (f"Command: `python tools/bench/bench_gpt_plans.py --write`\n\nZoo GPT {kw} "
-            f"(profiled in {profile_s:.1f} s); 4 gloo ranks on this machine (2 cores), "
+    machine = ("the cpu-gloo preset" if hardware == "cpu-gloo" else
+               "this machine as tools/calibrate.py measured it just before (4 ranks at once): "
+               + json.dumps(json.load(open(hardware))["device"]) + ", link " + json.dumps(json.load(open(hardware))["intra_node"]))
+    body = (f"Command: `python tools/bench/bench_gpt_plans.py{' --calibrate' if args.calibrate else ''} --write`\n\n"
+            f"Zoo GPT {kw} (profiled in {profile_s:.1f} s); 4 gloo ranks on this machine (2 cores), planned for {machine}; "
             f"median of {args.rounds} steps after a warm-up, every setup in turn each round. Peak: one measure "
             "for every setup (module docstring of the script); the fake-group column is the same measure on a "
             "fake process group of 4 in one process, where every free is recorded.\n\n" + "\n".join(rows)
