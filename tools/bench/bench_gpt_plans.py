@@ -26,9 +26,11 @@ needed: the two columns agree when the gloo measure is right.
 Step time: wall time of one training step (forward, backward, AdamW, zero_grad) between barriers,
 every setup in turn each round (one interleaved run), median over the rounds after a warm-up.
 
-    python tools/bench/bench_gpt_plans.py [--rounds 3] [--small] [--write]
+    python tools/bench/bench_gpt_plans.py [--rounds 3] [--calibrate] [--compile] [--small] [--write]
 
-``--small`` runs a model of a few MB with the same setups (a rehearsal, minutes).
+``--small`` runs a model of a few MB with the same setups (minutes). ``--compile``: cauto with
+``compile=True`` against ``torch.compile`` of the DDP and FSDP2 models (the peaks used for the
+budgets are the eager models'). ``--calibrate``: plan for this machine measured just before.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ WORLD = 4
 FULL = dict(batch=16, seq=256, vocab=16384, dim=512, layers=6, heads=8)
 SMALL = dict(batch=16, seq=64, vocab=512, dim=64, layers=2, heads=4)
 HANDS = ("DDP", "FSDP2", "Megatron TP", "DP2xTP2")
+#: the hand plans the compiled table runs (torch.compile of the DDP and FSDP2 models)
+COMPILED_HANDS = ("DDP", "FSDP2")
 MiB = 2**20
 
 
@@ -110,14 +114,14 @@ def build_hand(name: str, fn, batch: dict, rank: int, fake: bool):
     raise ValueError(name)
 
 
-def build_cauto(path: str, fn):
+def build_cauto(path: str, fn, compile: bool = False):
     from cauto.plan import load_plan
     from cauto.runtime.apply import apply
     from cauto.runtime.dist_utils import make_mesh
 
     plan = load_plan(path)
     mesh = make_mesh(plan.mesh["shape"], plan.mesh["axis_names"])
-    model = apply(fn, plan, mesh, seed=0)
+    model = apply(fn, plan, mesh, seed=0, compile=compile)
     torch.manual_seed(0)
     _, batch = fn()
     slices = model.input_slices()
@@ -157,9 +161,10 @@ def worker(args) -> None:
     _, batch = fn()
     setups = {}
     for name in [h for h in args.hands.split(",") if h]:
-        setups[name] = build_hand(name, fn, batch, rank, args.worker == "fake")
+        model, inputs = build_hand(name, fn, batch, rank, args.worker == "fake")
+        setups[name] = (torch.compile(model) if args.compile else model, inputs)
     for label, path in json.loads(args.plans).items():
-        setups[label] = build_cauto(path, fn)
+        setups[label] = build_cauto(path, fn, args.compile)
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=_uniform(m) or None) for k, (m, _) in setups.items()}
 
     def stepper(name):
@@ -205,7 +210,8 @@ def worker(args) -> None:
 def launch(args, mode: str, hands: list[str], plans: dict[str, str]) -> dict:
     from cauto.runtime.dist_utils import free_port
     argv = [sys.executable, os.path.abspath(__file__), "--worker", mode, "--hands", ",".join(hands),
-            "--plans", json.dumps(plans), "--rounds", str(args.rounds)] + (["--small"] if args.small else [])
+            "--plans", json.dumps(plans), "--rounds", str(args.rounds)] + (["--small"] if args.small else []) \
+        + (["--compile"] if args.compile and mode == "gloo" else [])
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(WORLD),
                OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     n = WORLD if mode == "gloo" else 1
@@ -283,6 +289,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--write", action="store_true")
+    ap.add_argument("--compile", action="store_true",
+                    help="the compiled table: cauto with compile=True against torch.compile of DDP and FSDP2")
     ap.add_argument("--calibrate", action="store_true",
                     help="plan with this machine measured now (tools/calibrate.py) instead of the cpu-gloo preset")
     ap.add_argument("--worker", choices=["gloo", "fake"], help=argparse.SUPPRESS)
@@ -298,7 +306,7 @@ def main() -> None:
     start = time.perf_counter()
     graph = profile(factory(kw)).to_graph()
     profile_s = time.perf_counter() - start
-    hands_fake = launch(args, "fake", list(HANDS), {})["peaks"]
+    hands_fake = launch(args, "fake", list(HANDS), {})["peaks"]  # eager models: the budgets
     budgets = {"none": None}
     for hand in ("DDP", "Megatron TP", "FSDP2"):
         budgets[f"under {hand}"] = int(0.98 * max(hands_fake[hand]))
@@ -306,12 +314,12 @@ def main() -> None:
     hardware = calibrate(out_dir) if args.calibrate else "cpu-gloo"
     plans, info = automatic_plans(graph, budgets, out_dir, hardware)
     labels = {f"cauto ({label})": path for label, path in plans.items()}
-    fake = {**hands_fake, **launch(args, "fake", [], labels)["peaks"]}
-    real = launch(args, "gloo", list(HANDS), labels)
+    fake = {**hands_fake, **launch(args, "fake", [], labels)["peaks"]}  # eager, for the compiled table too
+    real = launch(args, "gloo", list(COMPILED_HANDS if args.compile else HANDS), labels)
     rows = ["| setup | budget (MiB) | mesh | predicted step (s) | measured step (s) | predicted peak (MiB) | "
             "measured peak, gloo, max over ranks (MiB) | measured peak, fake group (MiB) | fits | collectives |",
             "|---|---:|---|---:|---:|---:|---:|---:|---|---|"]
-    for name in HANDS:
+    for name in COMPILED_HANDS if args.compile else HANDS:
         rows.append(f"| {name} | | | | {real['times'][name]:.2f} | | {max(real['peaks'][name]) / MiB:.1f} | "
                     f"{max(fake[name]) / MiB:.1f} | | |")
     verdicts = []
@@ -332,7 +340,7 @@ def main() -> None:
                         f"{i['regions']} regions | {i['predicted_s']:.2f} | {real['times'][name]:.2f} | "
                         f"{i['predicted_peak'] / MiB:.1f} | {peak / MiB:.1f} | {max(fake[name]) / MiB:.1f} | "
                         f"{'yes' if fits else 'NO'} | {'as planned' if real['collectives_ok'].get(name) else 'DIFF'} |")
-        fitting = [h for h in HANDS if budget is None or max(real["peaks"][h]) <= budget]
+        fitting = [h for h in (COMPILED_HANDS if args.compile else HANDS) if budget is None or max(real["peaks"][h]) <= budget]
         if fitting:
             fastest = min(fitting, key=lambda h: real["times"][h])
             verdicts.append(f"{label}: cauto {real['times'][name]:.2f} s vs {fastest} {real['times'][fastest]:.2f} s "
@@ -359,10 +367,12 @@ def main() -> None:
             f"(each: {', '.join(f'{e * 100:.0f}%' for e in errors)}); same order by prediction as by measurement: "
             f"{'yes' if order(predicted) == order(measured) else 'no'}.\n")
     print(body)
-    if args.write and not args.small:
+    if args.write:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from results_md import replace_section
-        replace_section("Automatic plans against hand-written plans: 35.8 M GPT, 4 gloo ranks", body)
+        title = "Automatic plans against hand-written plans: " + ("small GPT" if args.small else "35.8 M GPT") \
+            + ", 4 gloo ranks" + (", compiled" if args.compile else "")
+        replace_section(title, body)
 
 
 if __name__ == "__main__":
