@@ -155,32 +155,50 @@ def _lowering_failure(exc: BaseException, program: torch.fx.GraphModule | None =
             pl = lambda xs: " ".join("[" + ",".join(p) + "]" for p in xs)  # noqa: E731
             details.append(f"planned inputs {pl(planned.get('inputs', []))} -> outputs {pl(planned.get('outputs', []))}")
         where = f"at program node {name!r}" + (f" ({'; '.join(details)})" if details else "")
+    if "Inductor" in type(exc).__name__ or "BackendCompiler" in type(exc).__name__:
+        return (f"torch.compile (inductor) could not compile the local program {where}: {type(exc).__name__}: "
+                f"{first}; run without compile (--compile)")
     return (f"the plan cannot run as a program {where}: {type(exc).__name__}: {first}; "
             "the placements there are not ones DTensor can execute: solve the plan again (cauto plan), or "
             "give that module's parameters other placements")
 
 
-_SEEDLESS: dict = {}
+@torch.library.custom_op("cauto::flash_attention_cpu_recomputable", mutates_args=())
+def flash_attention_cpu_recomputable(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                     dropout_p: float = 0.0, is_causal: bool = False,
+                                     attn_mask: torch.Tensor | None = None,
+                                     scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU flash attention without dropout, as an op torch does not tag random: a checkpoint region
+    recomputes it in backward with no RNG state to save or restore (``_unseed``), as Python and under
+    inductor alike (inductor takes it as an extern kernel)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+
+
+@flash_attention_cpu_recomputable.register_fake
+def _(query, key, value, dropout_p=0.0, is_causal=False, attn_mask=None, scale=None):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+
+
+_RECOMPUTABLE = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default:
+                 torch.ops.cauto.flash_attention_cpu_recomputable.default}
 
 
 def _unseed(node: torch.fx.Node) -> None:
     """A recomputed op that torch tags as random (CPU flash attention) but that draws no random number
-    here (dropout 0) runs through a plain wrapper: recomputing it needs no saved RNG state. One with
-    dropout cannot be recomputed bit-identically: refused."""
+    here (dropout 0) becomes the same computation as an untagged op (``flash_attention_cpu_recomputable``):
+    recomputing it needs no saved RNG state. One with dropout cannot be recomputed bit-identically:
+    refused."""
     target = node.target
     if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in target.tags:
         return
     dropout = node.args[3] if len(node.args) > 3 else node.kwargs.get("dropout_p", 0.0)
-    if "scaled_dot_product" not in str(target) or dropout != 0.0:
+    if target not in _RECOMPUTABLE or dropout != 0.0:
         raise LoweringError(
             f"checkpoint region op {node.name} ({target}) draws random numbers, and the local program cannot "
             "recompute it with the same ones; plan without checkpointing that module, or pass lowering='dtensor'")
-    if target not in _SEEDLESS:
-        def seedless(*args, _op=target, **kwargs):
-            return _op(*args, **kwargs)
-        seedless.__name__ = seedless.__qualname__ = str(target).replace(".", "_") + "_recomputable"
-        _SEEDLESS[target] = seedless
-    node.target = _SEEDLESS[target]
+    node.target = _RECOMPUTABLE[target]
 
 
 class _AsReplicated(torch.autograd.Function):
