@@ -60,6 +60,8 @@ def run_job(job: dict, mesh, captures: dict) -> dict:
         names = list(kwargs)
         kwargs = {k: v[slices[k]] for k, v in kwargs.items()}
         out["local_batch_shapes"] = {k: list(kwargs[k].shape) for k in names}
+    if job.get("check") == "clip":
+        return clip_job(job, m, ref, args, kwargs)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     loss_diffs, grad_diff = [], 0.0
@@ -111,6 +113,37 @@ def run_job(job: dict, mesh, captures: dict) -> dict:
     return out
 
 
+def clip_job(job: dict, m, ref, args, kwargs) -> dict:
+    """``model.clip_grad_norm_`` vs ``torch.nn.utils.clip_grad_norm_`` on the single-process model: the
+    norms of 2 AdamW steps (clipped: ``max_norm`` below the norm), the infinity norm, the clipped
+    gradients of step 1 and the losses."""
+    from cauto.profiler.capture import loss_of
+    max_norm = job.get("max_norm", 0.05)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    out = {"norms": [], "ref_norms": [], "loss_diffs": [], "grad_diff": 0.0}
+    for step in range(2):
+        ref_loss = loss_of(ref(*args, **kwargs))
+        ref_loss.backward()
+        loss = m(*args, **kwargs)
+        loss.backward()
+        if step == 0:  # max |g| first (max_norm too large to clip anything)
+            out["inf_norm"] = float(m.clip_grad_norm_(1e9, norm_type=float("inf")))
+            out["ref_inf_norm"] = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9, norm_type=float("inf")))
+        out["ref_norms"].append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)))
+        out["norms"].append(float(m.clip_grad_norm_(max_norm)))
+        if step == 0:
+            for name, p in m.named_parameters():
+                g = _full(p.grad)
+                out["grad_diff"] = max(out["grad_diff"], float((g - ref.get_parameter(name).grad).abs().max()))
+        out["loss_diffs"].append(abs(float(loss) - float(ref_loss)))
+        opt.step()
+        opt_ref.step()
+        opt.zero_grad()
+        opt_ref.zero_grad()
+    return out
+
+
 def _chunked_params(m) -> dict[str, torch.Tensor]:
     """Every parameter's current value (this rank's shard of it in a DTensor program) on every rank:
     all-gather every chunk group (a collective)."""
@@ -150,17 +183,20 @@ def chunked_job(job: dict, fn, cap, mesh) -> dict:
     args, kwargs = split_inputs(inputs)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=lr)
     opt = m.optimizer
-    losses, ref_losses = [], []
+    losses, ref_losses, norms, ref_norms = [], [], [], []
     steps = job.get("steps", 4)
     for step in range(steps):
         if step == steps - 1:
             m.manager.mover.traffic.reset()
         loss = m(*args, **kwargs)
         loss.backward()
-        opt.step()
-        opt.zero_grad()
         ref_loss = loss_of(ref(*args, **kwargs))
         ref_loss.backward()
+        if job.get("max_norm") is not None:  # clipped as torch clips the single-process model
+            norms.append(float(m.clip_grad_norm_(job["max_norm"])))
+            ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), job["max_norm"])))
+        opt.step()
+        opt.zero_grad()
         opt_ref.step()
         opt_ref.zero_grad()
         losses.append(float(loss))
@@ -174,7 +210,8 @@ def chunked_job(job: dict, fn, cap, mesh) -> dict:
     mgr = m.manager
     from cauto.runtime.chunked import chunk_report
     report = chunk_report(m, (args, kwargs))  # one more step, after the comparisons: its collectives
-    return {"losses": losses, "ref_losses": ref_losses, "collectives": report["collectives"], "param_diff": diffs[worst], "worst_param": worst,
+    return {"losses": losses, "ref_losses": ref_losses, "norms": norms, "ref_norms": ref_norms,
+            "collectives": report["collectives"], "param_diff": diffs[worst], "worst_param": worst,
             "param_diff_without_k_bias": max(v for n, v in diffs.items() if not n.endswith("attn.k.bias")),
             "top_param_diffs": sorted(diffs.items(), key=lambda kv: -kv[1])[:5],
             "param_rel_err": float(torch.sqrt(sum(((params[n] - want[n]) ** 2).sum() for n in want)

@@ -130,6 +130,12 @@ class ParallelModule(nn.Module):
         model's; DCP reshards for another mesh); return the step it was saved at."""
         return training_state.load(self, directory, self.optimizer)
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model: the global norm of every gradient, each
+        element counted once whatever its placement (sharded, replicated, chunked: clip.py); return it."""
+        from cauto.runtime.clip import clip_grad_norm_
+        return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
+
     def input_slices(self) -> dict[str, tuple[slice, ...]]:
         """Per user input: the slice of the global batch this rank must load in local-batch mode."""
         out = {}

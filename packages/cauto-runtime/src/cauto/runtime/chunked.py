@@ -179,6 +179,11 @@ class ChunkedParallelModule(nn.Module):
                 f"{off.get('num_chunks', '?')} chunks of {off.get('chunk_elems', '?')} elements, ZeRO-sharded over "
                 f"{self.world_size} ranks, device budget {off.get('device_budget_bytes', '?')} B\n")
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the chunked gradients to global norm ``max_norm``; return the norm before clipping (clip.py)."""
+        from cauto.runtime.clip import clip_grad_norm_
+        return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
+
     def input_slices(self) -> dict[str, tuple[slice, ...]]:
         """Per user input: the slice of the global batch this rank uses (what local-batch mode passes)."""
         out = {}
