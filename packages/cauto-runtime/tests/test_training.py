@@ -67,3 +67,28 @@ def test_clip_grad_norm_over_chunked_state_equals_one_process(tmp_path):
                 assert got == pytest.approx(want, rel=NORM_RTOL), (name, r)
             for got, want in zip(r["losses"], r["ref_losses"]):
                 assert got == pytest.approx(want, rel=2e-5), (name, r)
+
+
+@pytest.mark.slow
+def test_each_rank_loads_its_slice_through_a_distributed_sampler(tmp_path):
+    """Local-batch training from a real DataLoader + DistributedSampler over the plan's data-parallel axes
+    (``model.batch_slice()``): on 2x2 dp x tp the two tp ranks of a dp coordinate load the same samples;
+    on 2x2 dp x dp every rank loads a quarter. Each rank's samples are its own (disjoint, together the
+    dataset), and losses and gradients equal the single-process run on the concatenated global batch."""
+    jobs = [_job("dp_tp", [2, 2], ["dp", "tp"], "dataloader", inputs="S(0),R", params=megatron(2)),
+            _job("dp_dp", [2, 2], ["dp", "dp2"], "dataloader", inputs="S(0),S(0)")]
+    ranks = run_ranks(4, jobs, tmp_path, timeout_s=240)
+    for name, count, local in (("dp_tp", 2, GPT["batch"] // 2), ("dp_dp", 4, GPT["batch"] // 4)):
+        results = [rank[name] for rank in ranks]
+        for r in results:
+            assert "error" not in r, (name, r.get("error"))
+            assert r["slice"][1] == count and r["local_shapes"] == [[local, GPT["seq"]]] * 3, r
+            assert max(r["loss_diffs"]) < 2e-5 * max(1.0, r["loss"]) and r["grad_diff"] < 2e-5, (name, r)
+        by_slice = {}
+        for r in results:
+            by_slice.setdefault(r["slice"][0], []).append(r["indices"])
+        assert sorted(by_slice) == list(range(count))
+        for same in by_slice.values():
+            assert all(s == same[0] for s in same)  # ranks along tp load the same samples
+        everything = [i for same in by_slice.values() for i in same[0]]
+        assert sorted(everything) == list(range(3 * GPT["batch"]))  # disjoint, together the dataset

@@ -62,6 +62,8 @@ def run_job(job: dict, mesh, captures: dict) -> dict:
         out["local_batch_shapes"] = {k: list(kwargs[k].shape) for k in names}
     if job.get("check") == "clip":
         return clip_job(job, m, ref, args, kwargs)
+    if job.get("check") == "dataloader":
+        return dataloader_job(job, m, ref, kwargs)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     loss_diffs, grad_diff = [], 0.0
@@ -141,6 +143,52 @@ def clip_job(job: dict, m, ref, args, kwargs) -> dict:
         opt_ref.step()
         opt.zero_grad()
         opt_ref.zero_grad()
+    return out
+
+
+def dataloader_job(job: dict, m, ref, kwargs) -> dict:
+    """Each rank loads only its slice (``model.batch_slice()``) through a DataLoader + DistributedSampler;
+    the single-process model gets the global batch: every rank's local batch, concatenated in slice order
+    (built here from every slice's own loader). Per-step losses and the first step's gradients."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from cauto.profiler.capture import loss_of
+    from cauto.runtime.data import BatchSlice
+    mine = m.batch_slice()
+    names = list(kwargs)
+    batch = int(kwargs[names[0]].shape[0])
+    steps = job.get("steps", 3)
+    g = torch.Generator().manual_seed(1)
+    dataset = TensorDataset(*(torch.randint(0, job["kwargs"]["vocab"], (steps * batch, *kwargs[k].shape[1:]),
+                                            generator=g) for k in names))
+
+    def loader(index):
+        part = BatchSlice(index, mine.count, mine.axes)
+        sampler = part.sampler(dataset, shuffle=True, seed=3)
+        sampler.set_epoch(1)
+        return sampler, DataLoader(dataset, batch_size=part.local_batch(batch), sampler=sampler, drop_last=True)
+
+    sampler, own = loader(mine.index)
+    everyone = [loader(i)[1] for i in range(mine.count)]
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    out = {"slice": [mine.index, mine.count], "indices": list(iter(sampler)), "loss_diffs": [], "grad_diff": 0.0,
+           "local_shapes": []}
+    for step, (local, *all_) in enumerate(zip(own, *everyone)):
+        whole = {k: torch.cat([b[i] for b in all_]) for i, k in enumerate(names)}
+        ref_loss = loss_of(ref(**whole))
+        ref_loss.backward()
+        loss = m(**dict(zip(names, local)))
+        loss.backward()
+        out["local_shapes"].append(list(local[0].shape))
+        if step == 0:
+            for name, p in m.named_parameters():
+                out["grad_diff"] = max(out["grad_diff"], float((_full(p.grad) - ref.get_parameter(name).grad).abs().max()))
+        out["loss_diffs"].append(abs(float(loss) - float(ref_loss)))
+        out["loss"] = float(loss)
+        for o in (opt, opt_ref):
+            o.step()
+            o.zero_grad()
     return out
 
 

@@ -136,6 +136,12 @@ class ParallelModule(nn.Module):
         from cauto.runtime.clip import clip_grad_norm_
         return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
 
+    def batch_slice(self):
+        """Which slice of the global batch this rank loads: a ``cauto.runtime.data.BatchSlice`` (``index`` of
+        ``count`` over the plan's data-parallel axes: a DistributedSampler's ``rank`` and ``num_replicas``)."""
+        from cauto.runtime.data import batch_slice
+        return batch_slice(self.capture, self.plan, self.mesh)
+
     def input_slices(self) -> dict[str, tuple[slice, ...]]:
         """Per user input: the slice of the global batch this rank must load in local-batch mode."""
         out = {}
