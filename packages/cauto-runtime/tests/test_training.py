@@ -92,3 +92,37 @@ def test_each_rank_loads_its_slice_through_a_distributed_sampler(tmp_path):
             assert all(s == same[0] for s in same)  # ranks along tp load the same samples
         everything = [i for same in by_slice.values() for i in same[0]]
         assert sorted(everything) == list(range(3 * GPT["batch"]))  # disjoint, together the dataset
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_syncs_once_per_step(tmp_path):
+    """k=4 micro-batches, the first 3 under ``model.no_sync()``: gradients equal one single-process
+    backward of the whole batch. Every micro-batch's forward runs the plan's predicted forward
+    collectives; the no_sync micro-batches' backwards run no gradient collective (a k=1 backward less its
+    gradient buckets: only what the computation needs); the last runs exactly the collectives and
+    buckets of a k=1 step: the step's gradient synchronization does not depend on k. Plans: data
+    parallel on 4 (plain parameters, reduced in the backward graph when not accumulating), 2x2 dp x tp
+    (DTensor parameters, GradSync's buckets, some reduced over both axes)."""
+    from collections import Counter
+    small = dict(GPT, batch=4)
+    jobs = [dict(name=n, model="gpt", kwargs=small, mesh=list(shape), axis_names=axes, check="accumulate", k=4,
+                 plan=plan_for("gpt", small, tuple(shape), axes, **placement))
+            for n, shape, axes, placement in (
+                ("dp", [4], ["dp"], dict(inputs="S(0)")),
+                ("dp_tp", [2, 2], ["dp", "tp"], dict(inputs="S(0),R", params=megatron(2))))]
+    for rank in run_ranks(4, jobs, tmp_path, timeout_s=240):
+        for job in jobs:
+            name, r = job["name"], rank[job["name"]]
+            assert "error" not in r, (name, r.get("error"))
+            assert r["grad_diff"] < 1e-5 * max(1.0, r["grad_scale"]), (name, r)
+            forward = dict(Counter(c["op"] for c in job["plan"]["predictions"]["collectives"]
+                                   if c.get("phase", "forward") == "forward"))
+            (k1_fwd, k1_bwd), k1_buckets = r["k1_counts"], r["k1_buckets"]
+            assert k1_fwd == forward and k1_buckets, (name, r)
+            compute_only = Counter(k1_bwd) - Counter({"all_reduce": len(k1_buckets)})  # one per bucket and axis
+            for i, ((fwd, bwd), buckets) in enumerate(zip(r["counts"], r["buckets"])):
+                assert fwd == forward, (name, i, r)
+                if i < 3:
+                    assert buckets == [] and Counter(bwd) == compute_only, (name, i, r)
+            assert r["counts"][3][1] == k1_bwd and r["buckets"][3] == k1_buckets, (name, r)
+            assert "inside no_sync" in r["clip_in_no_sync"], r

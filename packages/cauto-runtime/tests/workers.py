@@ -64,6 +64,8 @@ def run_job(job: dict, mesh, captures: dict) -> dict:
         return clip_job(job, m, ref, args, kwargs)
     if job.get("check") == "dataloader":
         return dataloader_job(job, m, ref, kwargs)
+    if job.get("check") == "accumulate":
+        return accumulate_job(job, m, ref, kwargs)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     loss_diffs, grad_diff = [], 0.0
@@ -189,6 +191,55 @@ def dataloader_job(job: dict, m, ref, kwargs) -> dict:
         for o in (opt, opt_ref):
             o.step()
             o.zero_grad()
+    return out
+
+
+def accumulate_job(job: dict, m, ref, kwargs) -> dict:
+    """Gradient accumulation: ``k`` micro-batches (the plan's batch each), all but the last under
+    ``model.no_sync()``, each loss divided by k, against one single-process backward of the whole batch
+    (the micro-batches concatenated). Collectives per micro-batch (CommDebugMode) and gradient buckets,
+    and those of a plain one-micro-batch step (k=1) before it."""
+    import contextlib
+
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from cauto.profiler.capture import loss_of
+    from cauto.runtime.verify import executed_counts
+    k = job["k"]
+    names = list(kwargs)
+    b = int(kwargs[names[0]].shape[0])
+    g = torch.Generator().manual_seed(5)
+    whole = {n: torch.randint(0, job["kwargs"]["vocab"], (k * b, *kwargs[n].shape[1:]), generator=g) for n in names}
+    micro = [{n: v[i * b:(i + 1) * b] for n, v in whole.items()} for i in range(k)]
+
+    def count(batch, scale):
+        # forward collectives counted in a no-grad forward, as verify.count_step_collectives does
+        with torch.no_grad(), CommDebugMode() as fwd:
+            m(**batch)
+        loss = m(**batch) / scale
+        with CommDebugMode() as bwd:
+            loss.backward()
+        return [dict(executed_counts(fwd)), dict(executed_counts(bwd))], list(m.grad_sync.last_buckets)
+
+    out = {}
+    out["k1_counts"], out["k1_buckets"] = count(micro[0], 1)  # one step, no accumulation
+    m.zero_grad()
+    out["counts"], out["buckets"] = [], []
+    for i in range(k):
+        with m.no_sync() if i < k - 1 else contextlib.nullcontext():
+            c, buckets = count(micro[i], k)
+        out["counts"].append(c)
+        out["buckets"].append(buckets)
+    loss_of(ref(**whole)).backward()
+    out["grad_diff"] = max(float((_full(p.grad) - ref.get_parameter(n).grad).abs().max()) for n, p in m.named_parameters())
+    out["grad_scale"] = max(float(p.grad.abs().max()) for p in ref.parameters())
+    try:
+        with m.no_sync():
+            m(**micro[0]).backward()
+            m.clip_grad_norm_(1.0)
+        out["clip_in_no_sync"] = "allowed"
+    except RuntimeError as exc:
+        out["clip_in_no_sync"] = str(exc)
     return out
 
 

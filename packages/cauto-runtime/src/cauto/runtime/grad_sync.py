@@ -10,9 +10,14 @@ each gradient becomes a DTensor with its parameter's placements, viewing the red
 
 Bucketed: Partial(sum|avg) -> Replicate on any set of mesh axes (the data-parallel case).
 Everything else (Partial -> Shard: a reduce-scatter; Partial(max)) is redistributed per parameter
-at the end of backward, which is correct but not bucketed. One backward per optimizer step is
-assumed: a second backward without ``zero_grad`` adds a new Partial gradient to a synchronized one,
-which DTensor then all-reduces per parameter (correct, slower).
+at the end of backward, which is correct but not bucketed.
+
+Gradient accumulation: while ``sync`` is False (``ParallelModule.no_sync()``, read when the forward
+runs) the hooks leave every gradient as backward made it, this rank's unreduced sum (``pending``
+then says that such gradients are there); the next backward with ``sync`` on buckets and reduces the
+accumulated gradients, once per optimizer step, as above. Without ``no_sync`` a second backward
+adds a new Partial gradient to a synchronized one, which DTensor then all-reduces per parameter
+(correct, slower).
 """
 
 from __future__ import annotations
@@ -56,6 +61,11 @@ class GradSync:
         #: per finished backward: buckets launched while backward was still running (overlapped)
         self.last_overlapped = 0
         self._early = 0
+        #: whether backward synchronizes gradients (False inside ``no_sync``); ``begin`` reads it per forward
+        self.sync = True
+        #: gradients accumulated without synchronization are on the parameters (reduced at the next sync)
+        self.pending = False
+        self._syncing = True
         self._handles = []
         seen = set()
         for p in params:
@@ -78,10 +88,19 @@ class GradSync:
                 return None
         return (p.grad.dtype, tuple(axes))
 
+    def begin(self) -> bool:
+        """Called by each training forward: the backward of this forward synchronizes iff ``sync``.
+        Returns whether the program should reduce gradients itself (no unreduced ones accumulated)."""
+        self._syncing = self.sync
+        return self.sync and not self.pending
+
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         if not self._queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._queued = True
+        if not self._syncing:
+            self.pending = True
+            return
         grad = p.grad
         if isinstance(grad, DTensor):
             if tuple(grad.placements) == tuple(p.placements):
@@ -108,6 +127,10 @@ class GradSync:
         self._inflight.append((key, bucket.params, flat, work))
 
     def _finish(self) -> None:
+        if not self._syncing:  # accumulating: nothing launched, nothing to report
+            self.last_buckets, self.last_overlapped, self._queued = [], 0, False
+            return
+        self.pending = False
         for key in list(self._open):
             self._launch(key)
         self.last_buckets = list(self.in_graph)
