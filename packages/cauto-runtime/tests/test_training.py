@@ -126,3 +126,34 @@ def test_gradient_accumulation_syncs_once_per_step(tmp_path):
                     assert buckets == [] and Counter(bwd) == compute_only, (name, i, r)
             assert r["counts"][3][1] == k1_bwd and r["buckets"][3] == k1_buckets, (name, r)
             assert "inside no_sync" in r["clip_in_no_sync"], r
+
+
+@pytest.mark.slow
+def test_launcher_accumulates_clips_and_verifies_per_optimizer_step(tmp_path):
+    """``launch --accumulate 3 --max-norm 1 --verify`` on 2 data-parallel ranks: --verify counts
+    over the whole optimizer step: the plan's forward and backward collectives 3 times (once per
+    micro-batch), its gradient synchronization once (one bucket carrying every gradient)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from cauto.plan import dump
+    from cauto.runtime.dist_utils import free_port
+    plan = plan_for("gpt", {}, (2,), ["dp"], inputs="S(0)")  # the factory's default sizes (batch 4)
+    path = dump(plan, tmp_path / "plan.json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "-m", "cauto.runtime.launch", "cauto.profiler.zoo:gpt", "--plan", str(path), "--steps", "2", "--accumulate", "3", "--max-norm", "1.0", "--verify", "--timeout-s", "60",
+           "--measured-out", str(tmp_path / "measured.json")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert "step 2/2 loss" in res.stdout and "per optimizer step of 3 micro-batches" in res.stdout, res.stdout
+    report = json.loads((tmp_path / "measured.json").read_text())
+    assert report["accumulate"] == 3
+    assert report["forward"]["predicted"] == report["forward"]["executed"] == {"all_reduce": 3}, report  # the loss's
+    # backward: what the computation needs, once per micro-batch (a hand-made plan predicts no backward collective)
+    assert report["backward"]["executed"] and all(n % 3 == 0 for n in report["backward"]["executed"].values()), report
+    from cauto.profiler import zoo
+    params = sum(p.numel() for p in zoo.ZOO["gpt"]()[0].parameters())
+    assert report["grad_sync"]["executed_buckets"] == 1 and report["grad_sync"]["executed_bytes"] == 4 * params, report
