@@ -4,7 +4,9 @@ Each job applies a plan to a zoo model on gloo and compares with the same model 
 on one device (same initial state, same inputs): losses over 3 AdamW steps and the first step's
 gradients. It also counts the collectives of the first step, and can round-trip the state through
 torch.distributed.checkpoint or compare seed initialization with a single-device build. A job with
-``check: "chunked"`` applies a plan with chunked state instead (``chunked_job``).
+``check: "chunked"`` applies a plan with chunked state instead (``chunked_job``; ``max_norm`` clips it).
+Training-loop checks (test_training.py): ``"clip"`` (``clip_job``), ``"dataloader"`` (``dataloader_job``),
+``"accumulate"`` (``accumulate_job``).
 """
 
 from __future__ import annotations
