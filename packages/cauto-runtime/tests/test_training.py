@@ -34,11 +34,14 @@ def _job(name, shape, axes, check, **placement):
 def test_clip_grad_norm_equals_one_process_over_every_placement(tmp_path):
     """The global norm (2 and inf) equals torch's single-process one to 1e-6 relative for data parallel
     (plain replicated parameters), tensor parallel (Shard on tp, replicated
-    layer norms counted once) and 2x2 dp x tp; clipping then trains like the clipped single-process model."""
+    layer norms counted once) and 2x2 dp x tp; clipping then trains like the clipped single-process model.
+    And gradients left Partial (the DTensor program without its gradient sync) are reduced for the norm."""
     jobs = [
         _job("dp", [4], ["dp"], "clip", inputs="S(0)"),
         _job("tp", [4], ["tp"], "clip", inputs="R", params=megatron(1)),
         _job("dp_tp", [2, 2], ["dp", "tp"], "clip", inputs="S(0),R", params=megatron(2)),
+        dict(_job("partial", [2, 2], ["dp", "tp"], "clip", inputs="S(0),R", params=megatron(2)),
+             apply={"lowering": "dtensor"}, unsynced=True),
     ]
     for rank in run_ranks(4, jobs, tmp_path, timeout_s=240):
         for name in ("dp", "tp", "dp_tp"):
@@ -49,6 +52,9 @@ def test_clip_grad_norm_equals_one_process_over_every_placement(tmp_path):
             assert r["norms"][0] > 0.05 * 2  # the clip bites: gradients are scaled by < 1/2
             assert r["grad_diff"] < 2e-6, (name, r)  # clipped gradients, as torch clips them
             assert max(r["loss_diffs"]) < 2e-5, (name, r)
+        r = rank["partial"]  # gradients still Partial on dp (no gradient sync): reduced for the norm
+        assert "error" not in r, r.get("error")
+        assert r["partial_grads"] > 0 and r["norms"][0] == pytest.approx(r["ref_norms"][0], rel=NORM_RTOL), r
 
 
 @pytest.mark.slow

@@ -125,6 +125,13 @@ def clip_job(job: dict, m, ref, args, kwargs) -> dict:
     gradients of step 1 and the losses."""
     from cauto.profiler.capture import loss_of
     max_norm = job.get("max_norm", 0.05)
+    if job.get("unsynced"):  # gradients left as autograd makes them (Partial on dp): clip reduces them for the norm
+        m.grad_sync.remove()
+        loss_of(ref(*args, **kwargs)).backward()
+        m(*args, **kwargs).backward()
+        partial = sum(any(q.is_partial() for q in p.grad.placements) for p in m.parameters() if hasattr(p.grad, "placements"))
+        return {"partial_grads": partial, "norms": [float(m.clip_grad_norm_(max_norm))],
+                "ref_norms": [float(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm))]}
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     out = {"norms": [], "ref_norms": [], "loss_diffs": [], "grad_diff": 0.0}
