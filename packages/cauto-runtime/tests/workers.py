@@ -239,6 +239,7 @@ def accumulate_job(job: dict, m, ref, kwargs) -> dict:
             c, buckets = count(micro[i], k)
         out["counts"].append(c)
         out["buckets"].append(buckets)
+    out["overlapped"] = m.grad_sync.last_overlapped  # buckets launched while the last backward ran
     loss_of(ref(**whole)).backward()
     out["grad_diff"] = max(float((_full(p.grad) - ref.get_parameter(n).grad).abs().max()) for n, p in m.named_parameters())
     out["grad_scale"] = max(float(p.grad.abs().max()) for p in ref.parameters())

@@ -3,8 +3,8 @@
 A parameter replicated on a data-parallel axis gets a gradient that is Partial there. Left alone,
 DTensor would all-reduce it parameter by parameter when the optimizer touches it, with no overlap
 (the speed trap in ARCHITECTURE.md). Instead, a post-accumulate-grad hook on every parameter puts
-its gradient into a bucket as soon as autograd has it; a full bucket (``bucket_bytes``) is
-flattened into one buffer and all-reduced asynchronously while backward goes on, as DDP does. At the
+its gradient into a bucket as soon as autograd has it; a full bucket (at most ``bucket_bytes``, or
+one larger gradient) is flattened into one buffer and all-reduced asynchronously while backward goes on, as DDP does. At the
 end of backward (an autograd engine callback) the last buckets are launched, all are waited for and
 each gradient becomes a DTensor with its parameter's placements, viewing the reduced buffer.
 
@@ -111,10 +111,17 @@ class GradSync:
         if key is None:
             self._fallback.append(p)
             return
+        local = grad._local_tensor if isinstance(grad, DTensor) else grad
+        nbytes = local.numel() * local.element_size()
+        # The backward graph's rule (lowering.bucket_gradient_reductions): a bucket holds at most
+        # bucket_bytes (or one larger gradient), so a step reduces in the same buckets whether the graph or
+        # this object reduces them (gradient accumulation: the same collectives at any number of micro-batches)
+        if key in self._open and self._open[key].nbytes + nbytes > self.bucket_bytes:
+            self._launch(key)
+            self._early += 1
         bucket = self._open.setdefault(key, _Bucket())
         bucket.params.append(p)
-        local = grad._local_tensor if isinstance(grad, DTensor) else grad
-        bucket.nbytes += local.numel() * local.element_size()
+        bucket.nbytes += nbytes
         if bucket.nbytes >= self.bucket_bytes:
             self._launch(key)
             self._early += 1
