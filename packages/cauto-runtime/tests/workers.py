@@ -4,7 +4,9 @@ Each job applies a plan to a zoo model on gloo and compares with the same model 
 on one device (same initial state, same inputs): losses over 3 AdamW steps and the first step's
 gradients. It also counts the collectives of the first step, and can round-trip the state through
 torch.distributed.checkpoint or compare seed initialization with a single-device build. A job with
-``check: "chunked"`` applies a plan with chunked state instead (``chunked_job``).
+``check: "chunked"`` applies a plan with chunked state instead (``chunked_job``; ``max_norm`` clips it).
+Training-loop checks (test_training.py): ``"clip"`` (``clip_job``), ``"dataloader"`` (``dataloader_job``),
+``"accumulate"`` (``accumulate_job``).
 """
 
 from __future__ import annotations
@@ -60,6 +62,12 @@ def run_job(job: dict, mesh, captures: dict) -> dict:
         names = list(kwargs)
         kwargs = {k: v[slices[k]] for k, v in kwargs.items()}
         out["local_batch_shapes"] = {k: list(kwargs[k].shape) for k in names}
+    if job.get("check") == "clip":
+        return clip_job(job, m, ref, args, kwargs)
+    if job.get("check") == "dataloader":
+        return dataloader_job(job, m, ref, kwargs)
+    if job.get("check") == "accumulate":
+        return accumulate_job(job, m, ref, kwargs)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     loss_diffs, grad_diff = [], 0.0
@@ -111,6 +119,140 @@ def run_job(job: dict, mesh, captures: dict) -> dict:
     return out
 
 
+def clip_job(job: dict, m, ref, args, kwargs) -> dict:
+    """``model.clip_grad_norm_`` vs ``torch.nn.utils.clip_grad_norm_`` on the single-process model: the
+    norms of 2 AdamW steps (clipped: ``max_norm`` below the norm), the infinity norm, the clipped
+    gradients of step 1 and the losses."""
+    from cauto.profiler.capture import loss_of
+    max_norm = job.get("max_norm", 0.05)
+    if job.get("unsynced"):  # gradients left as autograd makes them (Partial on dp): clip reduces them for the norm
+        m.grad_sync.remove()
+        loss_of(ref(*args, **kwargs)).backward()
+        m(*args, **kwargs).backward()
+        partial = sum(any(q.is_partial() for q in p.grad.placements) for p in m.parameters() if hasattr(p.grad, "placements"))
+        return {"partial_grads": partial, "norms": [float(m.clip_grad_norm_(max_norm))],
+                "ref_norms": [float(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm))]}
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    out = {"norms": [], "ref_norms": [], "loss_diffs": [], "grad_diff": 0.0}
+    for step in range(2):
+        ref_loss = loss_of(ref(*args, **kwargs))
+        ref_loss.backward()
+        loss = m(*args, **kwargs)
+        loss.backward()
+        if step == 0:  # max |g| first (max_norm too large to clip anything)
+            out["inf_norm"] = float(m.clip_grad_norm_(1e9, norm_type=float("inf")))
+            out["ref_inf_norm"] = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9, norm_type=float("inf")))
+        out["ref_norms"].append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)))
+        out["norms"].append(float(m.clip_grad_norm_(max_norm)))
+        if step == 0:
+            for name, p in m.named_parameters():
+                g = _full(p.grad)
+                out["grad_diff"] = max(out["grad_diff"], float((g - ref.get_parameter(name).grad).abs().max()))
+        out["loss_diffs"].append(abs(float(loss) - float(ref_loss)))
+        opt.step()
+        opt_ref.step()
+        opt.zero_grad()
+        opt_ref.zero_grad()
+    return out
+
+
+def dataloader_job(job: dict, m, ref, kwargs) -> dict:
+    """Each rank loads only its slice (``model.batch_slice()``) through a DataLoader + DistributedSampler;
+    the single-process model gets the global batch: every rank's local batch, concatenated in slice order
+    (built here from every slice's own loader). Per-step losses and the first step's gradients."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from cauto.profiler.capture import loss_of
+    from cauto.runtime.data import BatchSlice
+    mine = m.batch_slice()
+    names = list(kwargs)
+    batch = int(kwargs[names[0]].shape[0])
+    steps = job.get("steps", 3)
+    g = torch.Generator().manual_seed(1)
+    dataset = TensorDataset(*(torch.randint(0, job["kwargs"]["vocab"], (steps * batch, *kwargs[k].shape[1:]),
+                                            generator=g) for k in names))
+
+    def loader(index):
+        part = BatchSlice(index, mine.count, mine.axes)
+        sampler = part.sampler(dataset, shuffle=True, seed=3)
+        sampler.set_epoch(1)
+        return sampler, DataLoader(dataset, batch_size=part.local_batch(batch), sampler=sampler, drop_last=True)
+
+    sampler, own = loader(mine.index)
+    everyone = [loader(i)[1] for i in range(mine.count)]
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    out = {"slice": [mine.index, mine.count], "indices": list(iter(sampler)), "loss_diffs": [], "grad_diff": 0.0,
+           "local_shapes": []}
+    for step, (local, *all_) in enumerate(zip(own, *everyone)):
+        whole = {k: torch.cat([b[i] for b in all_]) for i, k in enumerate(names)}
+        ref_loss = loss_of(ref(**whole))
+        ref_loss.backward()
+        loss = m(**dict(zip(names, local)))
+        loss.backward()
+        out["local_shapes"].append(list(local[0].shape))
+        if step == 0:
+            for name, p in m.named_parameters():
+                out["grad_diff"] = max(out["grad_diff"], float((_full(p.grad) - ref.get_parameter(name).grad).abs().max()))
+        out["loss_diffs"].append(abs(float(loss) - float(ref_loss)))
+        out["loss"] = float(loss)
+        for o in (opt, opt_ref):
+            o.step()
+            o.zero_grad()
+    return out
+
+
+def accumulate_job(job: dict, m, ref, kwargs) -> dict:
+    """Gradient accumulation: ``k`` micro-batches (the plan's batch each), all but the last under
+    ``model.no_sync()``, each loss divided by k, against one single-process backward of the whole batch
+    (the micro-batches concatenated). Collectives per micro-batch (CommDebugMode) and gradient buckets,
+    and those of a plain one-micro-batch step (k=1) before it."""
+    import contextlib
+
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from cauto.profiler.capture import loss_of
+    from cauto.runtime.verify import executed_counts
+    k = job["k"]
+    names = list(kwargs)
+    b = int(kwargs[names[0]].shape[0])
+    g = torch.Generator().manual_seed(5)
+    whole = {n: torch.randint(0, job["kwargs"]["vocab"], (k * b, *kwargs[n].shape[1:]), generator=g) for n in names}
+    micro = [{n: v[i * b:(i + 1) * b] for n, v in whole.items()} for i in range(k)]
+
+    def count(batch, scale):
+        # forward collectives counted in a no-grad forward, as verify.count_step_collectives does
+        with torch.no_grad(), CommDebugMode() as fwd:
+            m(**batch)
+        loss = m(**batch) / scale
+        with CommDebugMode() as bwd:
+            loss.backward()
+        return [dict(executed_counts(fwd)), dict(executed_counts(bwd))], list(m.grad_sync.last_buckets)
+
+    out = {}
+    out["k1_counts"], out["k1_buckets"] = count(micro[0], 1)  # one step, no accumulation
+    m.zero_grad()
+    out["counts"], out["buckets"] = [], []
+    for i in range(k):
+        with m.no_sync() if i < k - 1 else contextlib.nullcontext():
+            c, buckets = count(micro[i], k)
+        out["counts"].append(c)
+        out["buckets"].append(buckets)
+    out["overlapped"] = m.grad_sync.last_overlapped  # buckets launched while the last backward ran
+    loss_of(ref(**whole)).backward()
+    out["grad_diff"] = max(float((_full(p.grad) - ref.get_parameter(n).grad).abs().max()) for n, p in m.named_parameters())
+    out["grad_scale"] = max(float(p.grad.abs().max()) for p in ref.parameters())
+    try:
+        with m.no_sync():
+            m(**micro[0]).backward()
+            m.clip_grad_norm_(1.0)
+        out["clip_in_no_sync"] = "allowed"
+    except RuntimeError as exc:
+        out["clip_in_no_sync"] = str(exc)
+    return out
+
+
 def _chunked_params(m) -> dict[str, torch.Tensor]:
     """Every parameter's current value (this rank's shard of it in a DTensor program) on every rank:
     all-gather every chunk group (a collective)."""
@@ -150,17 +292,20 @@ def chunked_job(job: dict, fn, cap, mesh) -> dict:
     args, kwargs = split_inputs(inputs)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=lr)
     opt = m.optimizer
-    losses, ref_losses = [], []
+    losses, ref_losses, norms, ref_norms = [], [], [], []
     steps = job.get("steps", 4)
     for step in range(steps):
         if step == steps - 1:
             m.manager.mover.traffic.reset()
         loss = m(*args, **kwargs)
         loss.backward()
-        opt.step()
-        opt.zero_grad()
         ref_loss = loss_of(ref(*args, **kwargs))
         ref_loss.backward()
+        if job.get("max_norm") is not None:  # clipped as torch clips the single-process model
+            norms.append(float(m.clip_grad_norm_(job["max_norm"])))
+            ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), job["max_norm"])))
+        opt.step()
+        opt.zero_grad()
         opt_ref.step()
         opt_ref.zero_grad()
         losses.append(float(loss))
@@ -174,7 +319,8 @@ def chunked_job(job: dict, fn, cap, mesh) -> dict:
     mgr = m.manager
     from cauto.runtime.chunks.data_parallel import chunk_report
     report = chunk_report(m, (args, kwargs))  # one more step, after the comparisons: its collectives
-    return {"losses": losses, "ref_losses": ref_losses, "collectives": report["collectives"], "param_diff": diffs[worst], "worst_param": worst,
+    return {"losses": losses, "ref_losses": ref_losses, "norms": norms, "ref_norms": ref_norms,
+            "collectives": report["collectives"], "param_diff": diffs[worst], "worst_param": worst,
             "param_diff_without_k_bias": max(v for n, v in diffs.items() if not n.endswith("attn.k.bias")),
             "top_param_diffs": sorted(diffs.items(), key=lambda kv: -kv[1])[:5],
             "param_rel_err": float(torch.sqrt(sum(((params[n] - want[n]) ** 2).sum() for n in want)

@@ -13,6 +13,7 @@ shards in the chunk manager, fetched around the ops that use them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 
@@ -46,6 +47,7 @@ class ParallelModule(nn.Module):
     Attributes: ``plan``, ``predictions``, ``generated_code``, ``executable`` (redistributions,
     mismatches), ``capture``, ``mesh``, ``optimizer`` (what ``apply``'s ``optimizer`` factory built, or None).
     ``save(D, step)`` / ``load(D)`` checkpoint and resume training (training_state.py).
+    ``clip_grad_norm_`` (clip.py), ``batch_slice()`` (data.py) and ``no_sync()`` (gradient accumulation).
     With chunked parameters (chunks/in_program.py) also ``chunked`` (the ChunkedModel) and ``manager``
     (its ChunkManager); ``optimizer`` is then the ChunkedAdam and ``state_dict()`` holds only the
     device parameters and buffers (checkpoint chunked state with ``cauto.runtime.chunks.save_checkpoint``).
@@ -76,7 +78,7 @@ class ParallelModule(nn.Module):
         if lowered is not None:
             lowered.plain = {i for i, x in enumerate(self._state)
                              if isinstance(x, nn.Parameter) and not isinstance(x, DTensor)}
-            plain_grads = _PlainGradPlacements(lowered.grad_placements, self._state)
+            plain_grads = _PlainGradPlacements(lowered, self._state)
         self.grad_sync = GradSync([p for p in self.parameters() if isinstance(p, DTensor) or lowered is not None],
                                   mesh, bucket_bytes, plain_grad_placements=plain_grads)
         if lowered is not None:
@@ -109,6 +111,11 @@ class ParallelModule(nn.Module):
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
         flat = flat_inputs(args, kwargs, self._kwarg_order, self._input_names, self.capture.constants)
+        if torch.is_grad_enabled() and self.chunked is None:
+            reduce = self.grad_sync.begin()
+            if self.lowered is not None:
+                self.lowered.reduce_grads = reduce
+                self.grad_sync.in_graph = self.lowered.grad_buckets
         if self.chunked is not None:
             (loss,) = self.chunked.run(self.executable.module, *self._state, *flat)
         elif self.lowered is not None:
@@ -127,6 +134,45 @@ class ParallelModule(nn.Module):
         model's; DCP reshards for another mesh); return the step it was saved at."""
         return training_state.load(self, directory, self.optimizer)
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation, as DDP's ``no_sync``: forwards and backwards run inside accumulate this
+        rank's gradients without the plan's gradient synchronization (no data-parallel all-reduce); the
+        first backward after leaving it reduces the accumulated gradients in buckets, once per optimizer
+        step::
+
+            for micro in micro_batches[:-1]:
+                with model.no_sync():
+                    (model(**micro) / k).backward()
+                (model(**micro_batches[-1]) / k).backward()   # gradients synchronized here
+                opt.step(); opt.zero_grad()
+
+        Collectives that are part of the computation (tensor parallelism's, the loss's, and the
+        reduce-scatters of parameters stored sharded, FSDP-style, which autograd runs in each backward)
+        still run per micro-batch. Clipping inside it raises (no rank has the global gradient).
+        """
+        if self.chunked is not None:
+            raise NotImplementedError("no_sync() with chunked parameter state: the chunk manager reduce-scatters "
+                                      "every backward's gradients into its chunks; accumulate with a larger batch, "
+                                      "or plan with --offload none")
+        before, self.grad_sync.sync = self.grad_sync.sync, False
+        try:
+            yield
+        finally:
+            self.grad_sync.sync = before
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model: the global norm of every gradient, each
+        element counted once whatever its placement (sharded, replicated, chunked: clip.py); return it."""
+        from cauto.runtime.clip import clip_grad_norm_
+        return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
+
+    def batch_slice(self):
+        """Which slice of the global batch this rank loads: a ``cauto.runtime.data.BatchSlice`` (``index`` of
+        ``count`` over the plan's data-parallel axes: a DistributedSampler's ``rank`` and ``num_replicas``)."""
+        from cauto.runtime.data import batch_slice
+        return batch_slice(self.capture, self.plan, self.mesh)
+
     def input_slices(self) -> dict[str, tuple[slice, ...]]:
         """Per user input: the slice of the global batch this rank must load in local-batch mode."""
         out = {}
@@ -141,18 +187,19 @@ class ParallelModule(nn.Module):
 class _PlainGradPlacements(dict):
     """id(plain parameter) -> placements of its gradient, read off the local program's trace by position."""
 
-    def __init__(self, by_position: dict[int, tuple], state: list):
+    def __init__(self, lowered: LocalProgram, state: list):
         super().__init__()
-        self._by_position, self._positions = by_position, {}
+        self._lowered, self._positions = lowered, {}
         for i, x in enumerate(state):
             self._positions.setdefault(id(x), []).append(i)
 
     def get(self, key, default=None):
         # A tied parameter is an argument more than once; the trace may keep one of them (AOTAutograd
         # deduplicates arguments): any recorded position holds the gradient's placements.
+        by_position = self._lowered.grad_placements  # of the variant that ran (accumulating or not)
         for position in self._positions.get(key, ()):
-            if position in self._by_position:
-                return self._by_position[position]
+            if position in by_position:
+                return by_position[position]
         return default
 
     def __getitem__(self, key):

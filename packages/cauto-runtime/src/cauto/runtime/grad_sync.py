@@ -3,16 +3,21 @@
 A parameter replicated on a data-parallel axis gets a gradient that is Partial there. Left alone,
 DTensor would all-reduce it parameter by parameter when the optimizer touches it, with no overlap
 (the speed trap in ARCHITECTURE.md). Instead, a post-accumulate-grad hook on every parameter puts
-its gradient into a bucket as soon as autograd has it; a full bucket (``bucket_bytes``) is
-flattened into one buffer and all-reduced asynchronously while backward goes on, as DDP does. At the
+its gradient into a bucket as soon as autograd has it; a full bucket (at most ``bucket_bytes``, or
+one larger gradient) is flattened into one buffer and all-reduced asynchronously while backward goes on, as DDP does. At the
 end of backward (an autograd engine callback) the last buckets are launched, all are waited for and
 each gradient becomes a DTensor with its parameter's placements, viewing the reduced buffer.
 
 Bucketed: Partial(sum|avg) -> Replicate on any set of mesh axes (the data-parallel case).
 Everything else (Partial -> Shard: a reduce-scatter; Partial(max)) is redistributed per parameter
-at the end of backward, which is correct but not bucketed. One backward per optimizer step is
-assumed: a second backward without ``zero_grad`` adds a new Partial gradient to a synchronized one,
-which DTensor then all-reduces per parameter (correct, slower).
+at the end of backward, which is correct but not bucketed.
+
+Gradient accumulation: while ``sync`` is False (``ParallelModule.no_sync()``, read when the forward
+runs) the hooks leave every gradient as backward made it, this rank's unreduced sum (``pending``
+then says that such gradients are there); the next backward with ``sync`` on buckets and reduces the
+accumulated gradients, once per optimizer step, as above. Without ``no_sync`` a second backward
+adds a new Partial gradient to a synchronized one, which DTensor then all-reduces per parameter
+(correct, slower).
 """
 
 from __future__ import annotations
@@ -56,6 +61,11 @@ class GradSync:
         #: per finished backward: buckets launched while backward was still running (overlapped)
         self.last_overlapped = 0
         self._early = 0
+        #: whether backward synchronizes gradients (False inside ``no_sync``); ``begin`` reads it per forward
+        self.sync = True
+        #: gradients accumulated without synchronization are on the parameters (reduced at the next sync)
+        self.pending = False
+        self._syncing = True
         self._handles = []
         seen = set()
         for p in params:
@@ -78,10 +88,19 @@ class GradSync:
                 return None
         return (p.grad.dtype, tuple(axes))
 
+    def begin(self) -> bool:
+        """Called by each training forward: the backward of this forward synchronizes iff ``sync``.
+        Returns whether the program should reduce gradients itself (no unreduced ones accumulated)."""
+        self._syncing = self.sync
+        return self.sync and not self.pending
+
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         if not self._queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._queued = True
+        if not self._syncing:
+            self.pending = True
+            return
         grad = p.grad
         if isinstance(grad, DTensor):
             if tuple(grad.placements) == tuple(p.placements):
@@ -92,10 +111,17 @@ class GradSync:
         if key is None:
             self._fallback.append(p)
             return
+        local = grad._local_tensor if isinstance(grad, DTensor) else grad
+        nbytes = local.numel() * local.element_size()
+        # The backward graph's rule (lowering.bucket_gradient_reductions): a bucket holds at most
+        # bucket_bytes (or one larger gradient), so a step reduces in the same buckets whether the graph or
+        # this object reduces them (gradient accumulation: the same collectives at any number of micro-batches)
+        if key in self._open and self._open[key].nbytes + nbytes > self.bucket_bytes:
+            self._launch(key)
+            self._early += 1
         bucket = self._open.setdefault(key, _Bucket())
         bucket.params.append(p)
-        local = grad._local_tensor if isinstance(grad, DTensor) else grad
-        bucket.nbytes += local.numel() * local.element_size()
+        bucket.nbytes += nbytes
         if bucket.nbytes >= self.bucket_bytes:
             self._launch(key)
             self._early += 1
@@ -108,6 +134,10 @@ class GradSync:
         self._inflight.append((key, bucket.params, flat, work))
 
     def _finish(self) -> None:
+        if not self._syncing:  # accumulating: nothing launched, nothing to report
+            self.last_buckets, self.last_overlapped, self._queued = [], 0, False
+            return
+        self.pending = False
         for key in list(self._open):
             self._launch(key)
         self.last_buckets = list(self.in_graph)

@@ -18,6 +18,7 @@ to ``--measured-out`` as for other plans).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -76,10 +77,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, help="passed to the factory as seq= (as for cauto-profile)")
     parser.add_argument("--compile", action="store_true",
                         help="run the local program's forward and backward graphs compiled by inductor")
+    parser.add_argument("--accumulate", type=int, default=1,
+                        help="micro-batches per optimizer step (the example batch each; all but the last under no_sync)")
+    parser.add_argument("--max-norm", type=float, help="clip the global gradient norm (model.clip_grad_norm_)")
     parser.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (with --save-dir)")
     parser.add_argument("--save-dir", help="where checkpoints go (DIR/step-N, complete or absent)")
     parser.add_argument("--resume", help="a checkpoint folder (or a --save-dir) to resume training from")
     args = parser.parse_args(argv)
+    if args.accumulate < 1:
+        parser.error("--accumulate must be at least 1")
 
     import torch
     import torch.distributed as dist
@@ -113,11 +119,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"resumed from step {first} ({args.resume})", flush=True)
         for step in range(first, args.steps):
             start = time.perf_counter()
-            beat.enter("forward", step + 1)
-            loss = model(*inputs[0], **inputs[1])
-            beat.enter("backward", step + 1)
-            loss.backward()
+            loss = 0.0
+            for i in range(args.accumulate):  # all but the last micro-batch without gradient sync
+                with model.no_sync() if i < args.accumulate - 1 else contextlib.nullcontext():
+                    beat.enter("forward", step + 1)
+                    micro = model(*inputs[0], **inputs[1]) / args.accumulate
+                    beat.enter("backward", step + 1)
+                    micro.backward()
+                loss += micro.detach()
             beat.enter("optimizer", step + 1)
+            if args.max_norm is not None:
+                model.clip_grad_norm_(args.max_norm)
             opt.step()
             opt.zero_grad()
             if rank == 0:  # `cauto run` draws its step bar from this line (cauto.cli.run.STEP_LINE)
@@ -134,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                 write_atomic(measured_path, json.dumps(report, indent=1, default=str) + "\n")
                 print(f"measured figures written to {measured_path}", flush=True)
         elif args.verify:
-            report = verify_step(model, inputs, opt)
+            report = verify_step(model, inputs, opt, accumulate=args.accumulate)
             device = "cuda" if dist.get_backend() == "nccl" else "cpu"
             mine = torch.tensor([report["peak_bytes"]["measured"]], dtype=torch.int64, device=device)
             every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]

@@ -22,7 +22,10 @@ as Python. The text of each graph, collective lines annotated with their mesh ax
 what runs (``execute.compile_with_comments``) and what ``cauto codegen`` shows.
 
 A lowered program is traced for one set of input shapes and dtypes and one grad mode; a call with
-others traces again (a few per model at most: training and evaluation).
+others traces again (a few per model at most: training and evaluation). Gradient accumulation
+(``ParallelModule.no_sync``) traces a second training variant whose backward leaves the plain
+parameters' gradients unreduced (``reduce_grads=False``): micro-batches accumulate local gradients,
+and GradSync reduces the accumulated ones in buckets after the last micro-batch's backward.
 """
 
 from __future__ import annotations
@@ -321,11 +324,14 @@ class LocalProgram(torch.nn.Module):
         self.mesh = mesh
         #: argument positions of parameters kept as plain tensors (replicated on every mesh axis)
         self.plain = set(plain or ())
-        #: position -> placements of its gradient as the program leaves it (Partial on data-parallel axes)
-        self.grad_placements: dict[int, tuple] = {}
+        #: whether the next training trace/call reduces the plain parameters' gradients in its backward
+        #: graph (False while accumulating micro-batches: ParallelModule.no_sync)
+        self.reduce_grads = True
+        #: per variant (reducing or not): position -> placements of its gradient as the program leaves it
+        #: (Partial on data-parallel axes), and the backward graph's gradient buckets (op, mesh axis, bytes)
+        self._grad_placements: dict[bool, dict[int, tuple]] = {True: {}, False: {}}
+        self._grad_buckets: dict[bool, list[tuple]] = {True: [], False: []}
         self.bucket_bytes = bucket_bytes
-        #: the plain parameters' gradient all-reduces of the backward graph, bucketed: (op, mesh axis, bytes)
-        self.grad_buckets: list[tuple] = []
         self.compile = compile
         self._lowered: dict[tuple, object] = {}
         #: the graphs of the training lowering ({"forward", "backward"}), and "inference" once traced without grad
@@ -334,6 +340,23 @@ class LocalProgram(torch.nn.Module):
         self.collectives: dict[str, list[dict]] = {}
         self.traces = 0
         self._tracing = False
+
+    @property
+    def reducing(self) -> bool:
+        """Whether the current variant reduces plain gradients in its backward graph (never when compiled:
+        inductor would get one all-reduce per parameter, GradSync buckets them instead). Without plain
+        parameters both variants are the same graphs: always the reducing one."""
+        return (self.reduce_grads or not self.plain) and not self.compile
+
+    @property
+    def grad_placements(self) -> dict[int, tuple]:
+        """Position -> placements of a plain parameter's gradient as the current variant leaves it."""
+        return self._grad_placements[self.reducing]
+
+    @property
+    def grad_buckets(self) -> list[tuple]:
+        """The plain parameters' gradient all-reduces of the current variant's backward graph, bucketed."""
+        return self._grad_buckets[self.reducing]
 
     def forward(self, *args):
         fn = self._lowered.get(self._key(args))
@@ -352,9 +375,10 @@ class LocalProgram(torch.nn.Module):
         finally:
             self._tracing = before
 
-    @staticmethod
-    def _key(args) -> tuple:
-        return (torch.is_grad_enabled(), tuple(_signature(a) for a in args if not isinstance(a, DTensor)))
+    def _key(self, args) -> tuple:
+        grad = torch.is_grad_enabled()
+        return (grad, self.reducing or not grad,
+                tuple(_signature(a) for a in args if not isinstance(a, DTensor)))
 
     def prepare(self, state: list, inputs: list[tuple[tuple[int, ...], torch.dtype]]) -> None:
         """Lower now, for the training call with the global batch: ``state`` the program's parameters and
@@ -424,12 +448,18 @@ class LocalProgram(torch.nn.Module):
 
         from cauto.runtime.execute import compile_with_comments
 
+        reducing = self.reducing
+        # the graphs shown (codegen) are the reducing variant's; an accumulation variant runs unshown
+        shown = reducing or self.compile
+
         def keep(kind: str):
             def compiler(gm: torch.fx.GraphModule, example_inputs):
                 _drop_dead_ops(gm)
                 if kind == "backward" and not self.compile:  # (inductor buckets and reorders by itself)
-                    self.grad_buckets[:] = bucket_gradient_reductions(gm, self.mesh, self.bucket_bytes)
-                self.collectives[kind] = annotate_collectives(gm, self.mesh)
+                    self._grad_buckets[reducing][:] = bucket_gradient_reductions(gm, self.mesh, self.bucket_bytes)
+                records = annotate_collectives(gm, self.mesh)
+                if shown or kind == "inference":
+                    self.collectives[kind] = records
                 compiled = None
                 if self.compile:
                     from torch._inductor.compile_fx import compile_fx_inner
@@ -441,7 +471,8 @@ class LocalProgram(torch.nn.Module):
                 # activation is freed at its last use in backward, not when the whole backward returns.
                 gm.graph.set_codegen(_BoxedCodeGen())
                 compile_with_comments(gm)
-                self.graphs[kind] = gm
+                if shown or kind == "inference":
+                    self.graphs[kind] = gm
                 def python(args, forward=gm.forward):
                     return forward(args)  # directly: no module hooks, the step is one call of LocalProgram
                 python._boxed_call = True
@@ -456,14 +487,13 @@ class LocalProgram(torch.nn.Module):
                 return run
             return compiler
 
-        if training:  # the graphs shown are the training step's; an evaluation trace adds "inference"
+        if training and shown:  # the graphs shown are the training step's; an evaluation trace adds "inference"
             self.graphs, self.collectives = {}, {}
         self.traces += 1
-        program, plain, mesh, placements = self.program, self.plain, self.mesh, self.grad_placements
-        compiled = self.compile
+        program, plain, mesh, placements = self.program, self.plain, self.mesh, self._grad_placements[reducing]
 
         def step(*args):
-            args = [_AsReplicated.apply(a, mesh, lambda g, i=i: placements.__setitem__(i, g), not compiled)
+            args = [_AsReplicated.apply(a, mesh, lambda g, i=i: placements.__setitem__(i, g), reducing)
                     if i in plain else a for i, a in enumerate(args)]
             return program.forward(*args)
 

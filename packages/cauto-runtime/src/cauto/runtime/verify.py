@@ -203,27 +203,48 @@ def count_step_collectives(module, args: tuple, kwargs: dict):
     return fwd, bwd, list(module.grad_sync.last_buckets), loss
 
 
-def verify_step(module, inputs: tuple[tuple, dict], optimizer: torch.optim.Optimizer) -> dict:
-    """Run one training step, checked; return predicted vs measured collectives and peak bytes."""
+def _micro_batch(module, i: int, accumulate: int):
+    """The context of micro-batch ``i`` of an optimizer step: ``no_sync`` for all but the last."""
+    return module.no_sync() if i < accumulate - 1 else contextlib.nullcontext()
+
+
+def verify_step(module, inputs: tuple[tuple, dict], optimizer: torch.optim.Optimizer, accumulate: int = 1) -> dict:
+    """Run one training step, checked; return predicted vs measured collectives and peak bytes.
+
+    ``accumulate``: micro-batches per optimizer step (``inputs`` each, all but the last under
+    ``module.no_sync()``). Collectives are counted over the whole optimizer step: the plan's forward and
+    backward collectives once per micro-batch, its gradient synchronization once per step."""
     args, kwargs = inputs
 
     def step():
-        module(*args, **kwargs).backward()
+        for i in range(accumulate):
+            with _micro_batch(module, i, accumulate):
+                module(*args, **kwargs).backward()
         optimizer.step()
         optimizer.zero_grad()
 
     # memory first: a step counted under CommDebugMode leaves the next steps' allocations ~8% higher
     # on a checkpointed plan (measured), an effect of the debug mode, not of the plan
     peak = measured_peak_bytes(step, module, optimizer)
-    fwd, bwd, buckets, loss = count_step_collectives(module, args, kwargs)
+    forward, backward = Counter(), Counter()
+    for i in range(accumulate):
+        with _micro_batch(module, i, accumulate):
+            fwd, bwd, buckets, loss = count_step_collectives(module, args, kwargs)
+        forward += executed_counts(fwd)
+        backward += executed_counts(bwd)
     optimizer.step()
     optimizer.zero_grad()
     plan = module.plan
+
+    def per_step(phase: str) -> dict:
+        return {op: n * accumulate for op, n in predicted_counts(plan, (phase,)).items()}
+
     predicted_sync = [c for c in plan.predictions["collectives"] if c.get("phase") == "grad_sync"]
     return {
-        "forward": {"predicted": dict(predicted_counts(plan, ("forward",))), "executed": dict(executed_counts(fwd))},
-        "backward": {"predicted": dict(predicted_counts(plan, ("backward",))),
-                     "executed": dict(executed_counts(bwd) - Counter({"all_reduce": len(buckets)}))},
+        "accumulate": accumulate,
+        "forward": {"predicted": per_step("forward"), "executed": dict(forward)},
+        "backward": {"predicted": per_step("backward"),
+                     "executed": dict(backward - Counter({"all_reduce": len(buckets)}))},
         "grad_sync": {"predicted_collectives": len(predicted_sync),
                       "predicted_bytes": sum(c["bytes"] for c in predicted_sync),
                       "executed_buckets": len(buckets), "executed_bytes": sum(b[2] for b in buckets)},
@@ -236,7 +257,8 @@ def verify_step(module, inputs: tuple[tuple, dict], optimizer: torch.optim.Optim
 
 def format_report(report: dict, rank: int = 0) -> str:
     """A small predicted-vs-measured table."""
-    lines = [f"[rank {rank}] cauto verify"]
+    k = report.get("accumulate", 1)
+    lines = [f"[rank {rank}] cauto verify" + (f" (per optimizer step of {k} micro-batches)" if k > 1 else "")]
     for phase in ("forward", "backward"):
         ops = sorted(set(report[phase]["predicted"]) | set(report[phase]["executed"]))
         for op in ops or ["-"]:

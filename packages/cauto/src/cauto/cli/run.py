@@ -1,7 +1,8 @@
 """`cauto run`: launch the runtime on N local processes through torchrun.
 
     cauto run TARGET --plan plan.json --nproc 4 [--steps 3] [--verify] [--timeout-s 120]
-              [--save-every N --save-dir DIR] [--resume DIR] [-- <extra torchrun flags>]
+              [--accumulate K] [--max-norm X] [--save-every N --save-dir DIR] [--resume DIR]
+              [-- <extra torchrun flags>]
 
 Multi-host jobs pass torchrun's own flags after `--` (``--nnodes 2 --node-rank 0
 --rdzv-endpoint host:port``); everything else is what ``python -m cauto.runtime.launch`` takes.
@@ -167,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, help="passed to the factory as seq= (as for `cauto profile`)")
     parser.add_argument("--compile", action="store_true",
                         help="compile the local program (forward and backward graphs) with inductor")
+    parser.add_argument("--accumulate", type=int, help="micro-batches per optimizer step (gradients synchronized "
+                        "once per step; --verify counts collectives per optimizer step)")
+    parser.add_argument("--max-norm", type=float, help="clip the global gradient norm to this (model.clip_grad_norm_)")
     parser.add_argument("--save-every", type=int, default=0, help="checkpoint the training state every N steps")
     parser.add_argument("--save-dir", help="where checkpoints go: DIR/step-N, each complete or absent")
     parser.add_argument("--resume", help="resume from the latest complete checkpoint in this folder")
@@ -194,7 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     if problem is not None:
         print(problem, file=sys.stderr)
         return 2
+    if args.accumulate is not None and args.accumulate < 1:
+        print("cauto run: --accumulate must be at least 1", file=sys.stderr)
+        return 2
     sizes = [f"--{k}={v}" for k, v in (("batch", args.batch), ("seq", args.seq), ("save-every", args.save_every or None),
+                                       ("accumulate", args.accumulate), ("max-norm", args.max_norm),
                                        ("save-dir", args.save_dir), ("resume", args.resume)) if v is not None]
     cmd = torchrun_command(args.target, args.plan, args.nproc, args.steps, args.verify, extra, sizes, args.timeout_s,
                            compile=args.compile)

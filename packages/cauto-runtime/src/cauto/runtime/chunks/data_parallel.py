@@ -181,6 +181,23 @@ class ChunkedParallelModule(nn.Module):
                 f"{off.get('num_chunks', '?')} chunks of {off.get('chunk_elems', '?')} elements, ZeRO-sharded over "
                 f"{self.world_size} ranks, device budget {off.get('device_budget_bytes', '?')} B\n")
 
+    def no_sync(self):
+        """Not available with chunked state: the chunk manager reduce-scatters every backward's gradients."""
+        raise NotImplementedError("no_sync() with chunked parameter state: the chunk manager reduce-scatters every "
+                                  "backward's gradients into its chunks; accumulate with a larger batch, or plan with "
+                                  "--offload none")
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the chunked gradients to global norm ``max_norm``; return the norm before clipping (clip.py)."""
+        from cauto.runtime.clip import clip_grad_norm_
+        return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
+
+    def batch_slice(self):
+        """Which slice of the global batch this rank loads: a ``cauto.runtime.data.BatchSlice`` (``index`` of
+        ``count`` over the plan's data-parallel axes: a DistributedSampler's ``rank`` and ``num_replicas``)."""
+        from cauto.runtime.data import batch_slice
+        return batch_slice(self.capture, self.plan, self.mesh)
+
     def input_slices(self) -> dict[str, tuple[slice, ...]]:
         """Per user input: the slice of the global batch this rank uses (what local-batch mode passes)."""
         out = {}
