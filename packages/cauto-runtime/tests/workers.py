@@ -32,7 +32,7 @@ def run_job(job: dict, mesh, captures: dict) -> dict:
 
     from cauto.profiler.capture import capture, loss_of, split_inputs
     from cauto.runtime.apply import apply
-    from cauto.runtime.verify import executed_counts
+    from cauto.runtime.verify import counting_mode, executed_counts
 
     fn = _factory(job)
     key = (job["model"], json.dumps(job["kwargs"], sort_keys=True))
@@ -78,7 +78,7 @@ def run_job(job: dict, mesh, captures: dict) -> dict:
             with torch.no_grad(), CommDebugMode() as fwd:  # see verify.verify_step
                 m(*args, **kwargs)
             loss = m(*args, **kwargs)
-            with CommDebugMode() as bwd:
+            with counting_mode() as bwd:
                 loss.backward()
             out["forward"] = dict(executed_counts(fwd))
             out["backward"] = dict(executed_counts(bwd))
@@ -213,7 +213,7 @@ def accumulate_job(job: dict, m, ref, kwargs) -> dict:
     from torch.distributed.tensor.debug import CommDebugMode
 
     from cauto.profiler.capture import loss_of
-    from cauto.runtime.verify import executed_counts
+    from cauto.runtime.verify import counting_mode, executed_counts
     k = job["k"]
     names = list(kwargs)
     b = int(kwargs[names[0]].shape[0])
@@ -226,7 +226,7 @@ def accumulate_job(job: dict, m, ref, kwargs) -> dict:
         with torch.no_grad(), CommDebugMode() as fwd:
             m(**batch)
         loss = m(**batch) / scale
-        with CommDebugMode() as bwd:
+        with counting_mode() as bwd:
             loss.backward()
         return [dict(executed_counts(fwd)), dict(executed_counts(bwd))], list(m.grad_sync.last_buckets)
 

@@ -176,7 +176,7 @@ def _implicit_free_ns(allocation: tuple[int, int, int, int], reused_ns: int | No
     return min(end, reused_ns) if reused_ns is not None else end
 
 
-def _counting_mode() -> CommDebugMode:
+def counting_mode() -> CommDebugMode:
     """CommDebugMode that also counts the in-place functional all-reduce (the local program's gradient
     buckets, lowering.bucket_gradient_reductions), which torch's registry leaves out."""
     mode = CommDebugMode()
@@ -198,7 +198,7 @@ def count_step_collectives(module, args: tuple, kwargs: dict):
         with torch.no_grad(), CommDebugMode() as fwd:
             module(*args, **kwargs)
         loss = module(*args, **kwargs)
-        with _counting_mode() as bwd:
+        with counting_mode() as bwd:
             loss.backward()
     return fwd, bwd, list(module.grad_sync.last_buckets), loss
 
