@@ -62,7 +62,7 @@ from cauto.runtime.dist_utils import local_slices, to_placements
 from cauto.runtime.inputs import flat_inputs
 
 
-def _mismatch(message: str) -> Exception:
+def plan_mismatch(message: str) -> Exception:
     from cauto.runtime.apply import PlanMismatchError
     return PlanMismatchError(message)
 
@@ -76,11 +76,11 @@ def refuse_host_state_and_frozen(plan: PlanDocument, model: nn.Module) -> None:
     """Raise PlanMismatchError for what no chunked plan runs: host state without chunks, frozen parameters."""
     host = [e["target"] for e in plan.params.values() if e.get("state") == "host"]
     if host:
-        raise _mismatch(f"the plan keeps {len(host)} parameters on the host without chunks (first: {host[0]!r}); "
+        raise plan_mismatch(f"the plan keeps {len(host)} parameters on the host without chunks (first: {host[0]!r}); "
                         "the runtime runs chunked state only: solve with --offload chunked or auto")
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
     if frozen:
-        raise _mismatch(f"the model has frozen parameters ({frozen[0]!r}); chunked plans train every parameter: "
+        raise plan_mismatch(f"the model has frozen parameters ({frozen[0]!r}); chunked plans train every parameter: "
                         "solve with --offload none")
 
 
@@ -91,26 +91,26 @@ def check_chunked(cap: Capture, plan: PlanDocument, model: nn.Module) -> None:
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     left = [n for n in trainable if n not in chunked]
     if left:
-        raise _mismatch(
+        raise plan_mismatch(
             f"the plan chunks {len(chunked)} parameters but keeps {len(left)} on the device (first: {left[0]!r}); apply "
             "runs chunked state only when every trainable parameter is chunked (pure data parallelism): solve with "
             "--offload chunked (or auto), or with --offload none for a plan without chunks")
     bad = [e["target"] for e in plan.params.values()
            if e.get("state") == "chunked" and any(p != "R" for p in e["placements"])]
     if bad:
-        raise _mismatch(f"chunked parameter {bad[0]!r} is not Replicate on every mesh axis; chunked state is "
+        raise plan_mismatch(f"chunked parameter {bad[0]!r} is not Replicate on every mesh axis; chunked state is "
                         "ZeRO-sharded by the chunk manager itself: the plan is malformed, solve again")
     if plan.edges:
         e = plan.edges[0]
-        raise _mismatch(f"the plan redistributes activations ({len(plan.edges)} edges, first {e['src']} -> {e['dst']}); "
+        raise plan_mismatch(f"the plan redistributes activations ({len(plan.edges)} edges, first {e['src']} -> {e['dst']}); "
                         "with chunked state the model runs as written on each rank's batch slice: solve again with "
                         "--offload chunked, which plans pure data parallelism")
     if plan.checkpoint and plan.checkpoint.get("regions"):
-        raise _mismatch("the plan has checkpoint regions and chunked state; the chunk manager runs the model as "
+        raise plan_mismatch("the plan has checkpoint regions and chunked state; the chunk manager runs the model as "
                         "written: solve with --checkpoint none --offload chunked")
     axes = list(plan.offload.get("mesh_axes", range(len(plan.mesh["shape"])))) if plan.offload else []
     if plan.offload is None or sorted(axes) != list(range(len(plan.mesh["shape"]))):
-        raise _mismatch("the plan's offload section is missing or shards chunks over only some mesh axes; the "
+        raise plan_mismatch("the plan's offload section is missing or shards chunks over only some mesh axes; the "
                         "runtime ZeRO-shards chunks over the whole mesh: solve again with --offload chunked")
     mesh = plan.mesh["shape"]
     for node in cap.graph.nodes:
@@ -119,14 +119,14 @@ def check_chunked(cap: Capture, plan: PlanDocument, model: nn.Module) -> None:
         pl = tuple(plan.nodes[node.name]["outputs"][0])
         split = tuple("S(0)" if n > 1 else "R" for n in mesh)
         if pl not in (split, ("R",) * len(mesh)):
-            raise _mismatch(f"input {cap.placeholders[node.name][1]!r} is placed {list(pl)}; with chunked state an "
+            raise plan_mismatch(f"input {cap.placeholders[node.name][1]!r} is placed {list(pl)}; with chunked state an "
                             f"input is split on its batch dim over the whole mesh ({list(split)}) or replicated")
         shape = tuple(node.meta["val"].shape)
         world = 1
         for n in mesh:
             world *= n
         if pl == split and (not shape or shape[0] % world):
-            raise _mismatch(f"input {cap.placeholders[node.name][1]!r} has batch {shape[:1]}, which does not split "
+            raise plan_mismatch(f"input {cap.placeholders[node.name][1]!r} has batch {shape[:1]}, which does not split "
                             f"evenly over {world} ranks; use a batch divisible by {world}")
 
 

@@ -38,9 +38,9 @@ from cauto.profiler.capture import Capture
 from cauto.runtime import execute
 from cauto.runtime.chunk_fetch import ChunkedShard
 from cauto.runtime.chunked import (
-    _mismatch,
     chunked_targets,
     device_budget_bytes,
+    plan_mismatch,
     refuse_host_state_and_frozen,
 )
 from cauto.runtime.chunks import ChunkedAdam, ChunkedModel, chunk_module
@@ -60,26 +60,26 @@ def check_chunked_program(plan: PlanDocument, model: nn.Module) -> None:
     """Raise PlanMismatchError unless ``plan``'s chunked state can run in the DTensor program (module docstring)."""
     refuse_host_state_and_frozen(plan, model)
     if plan.offload is None:
-        raise _mismatch("the plan marks parameters \"chunked\" but has no offload section; solve again with "
+        raise plan_mismatch("the plan marks parameters \"chunked\" but has no offload section; solve again with "
                         "--offload chunked")
     axes = data_parallel_axes(plan)
     ndim = len(plan.mesh["shape"])
     if not axes or any(not 0 <= a < ndim for a in axes) or (len(axes) > 1 and len(axes) != ndim):
-        raise _mismatch(f"the plan ZeRO-shards chunks over mesh axes {axes}; the runtime shards them over one mesh "
+        raise plan_mismatch(f"the plan ZeRO-shards chunks over mesh axes {axes}; the runtime shards them over one mesh "
                         f"axis or all {ndim}: solve again with --offload-axes naming one axis, or all")
     chunked = set(chunked_targets(plan))
     left = [n for n, p in model.named_parameters() if p.requires_grad and n not in chunked]
     if left:
-        raise _mismatch(f"the plan chunks {len(chunked)} parameters but keeps {len(left)} trainable ones on the "
+        raise plan_mismatch(f"the plan chunks {len(chunked)} parameters but keeps {len(left)} trainable ones on the "
                         f"device (first: {left[0]!r}); with tensor parallelism, chunked state runs only when every "
                         "trainable parameter is chunked: solve again with --offload chunked")
     bad = [e["target"] for e in plan.params.values()
            if e.get("state") == "chunked" and any(e["placements"][a] != "R" for a in axes)]
     if bad:
-        raise _mismatch(f"chunked parameter {bad[0]!r} is not Replicate on the data-parallel mesh axes {axes}; the "
+        raise plan_mismatch(f"chunked parameter {bad[0]!r} is not Replicate on the data-parallel mesh axes {axes}; the "
                         "chunk manager ZeRO-shards it there itself: the plan is malformed, solve again")
     if plan.checkpoint and plan.checkpoint.get("regions"):
-        raise _mismatch("the plan has checkpoint regions and chunked state; recomputation would fetch chunked "
+        raise plan_mismatch("the plan has checkpoint regions and chunked state; recomputation would fetch chunked "
                         "parameters during backward, which the runtime does not do: solve with --checkpoint none")
 
 

@@ -33,10 +33,10 @@ import numbers
 from collections.abc import Mapping
 
 from cauto.plan import GraphDocument
-from cauto.solver.checkpoint import attach_checkpoint, ilp_sharding, joint_plan
-from cauto.solver.checkpoint.joint import device_dict
+from cauto.solver.checkpoint import ShardingResult, attach_checkpoint, joint_plan, sharding_result_from_plan
+from cauto.solver.checkpoint.joint import UNLIMITED_BYTES, SolveSharding, device_dict
 from cauto.solver.cluster import ClusterSpec
-from cauto.solver.device_walk import device_peak_judge
+from cauto.solver.device_memory import device_peak_judge
 from cauto.solver.errors import InfeasibleBudgetError, SolverError
 from cauto.solver.offload import OFFLOAD_MODES, data_parallel_axes
 from cauto.solver.progress import CHECKPOINT_PHASE, ProgressFn, counted, joint_solves_at_most
@@ -111,6 +111,21 @@ def plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, *, memory_budget:
             plan_doc["predictions"]["step_time_s"]["total"]:
         return ilp_only
     return plan_doc
+
+
+def ilp_sharding(graph_doc: dict, cluster: ClusterSpec, **solve_kwargs) -> SolveSharding:
+    """The sharding ILP (``cauto.solver.solve`` on ``cluster``) as the joint search's SolveSharding
+    callback (checkpoint/joint.py): None budget is no memory limit, None result is nothing fits."""
+
+    def solve_sharding(budget: int | None) -> ShardingResult | None:
+        try:
+            plan = solve(graph_doc, cluster, memory_budget=UNLIMITED_BYTES if budget is None else budget,
+                         **solve_kwargs)
+        except InfeasibleBudgetError:
+            return None
+        return sharding_result_from_plan(plan)
+
+    return solve_sharding
 
 
 def offload_axes_candidates(mesh_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
