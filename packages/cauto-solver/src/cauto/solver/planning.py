@@ -33,12 +33,13 @@ import numbers
 from collections.abc import Mapping
 
 from cauto.plan import GraphDocument
+from cauto.plan.mesh_axes import data_parallel_axes
 from cauto.solver.checkpoint import ShardingResult, attach_checkpoint, joint_plan, sharding_result_from_plan
 from cauto.solver.checkpoint.joint import UNLIMITED_BYTES, SolveSharding, device_dict
 from cauto.solver.cluster import ClusterSpec
 from cauto.solver.device_memory import device_peak_judge
 from cauto.solver.errors import InfeasibleBudgetError, SolverError
-from cauto.solver.offload import OFFLOAD_MODES, data_parallel_axes
+from cauto.solver.offload import OFFLOAD_MODES
 from cauto.solver.progress import CHECKPOINT_PHASE, ProgressFn, counted, joint_solves_at_most
 from cauto.solver.solve import solve
 
@@ -66,7 +67,7 @@ def plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, *, memory_budget:
         if offload == "none":
             raise SolverError("offload axes name the axes chunked state is ZeRO-sharded over: they need offload "
                               "'auto' or 'chunked'")
-        offload_axes = data_parallel_axes(tuple(cluster.mesh_shape), offload_axes)
+        offload_axes = data_parallel_axes(tuple(cluster.mesh_shape), offload_axes, error=SolverError)
     if offload != "none":
         chunked = dict(memory_budget=memory_budget, solver=solver, time_limit_s=time_limit_s, progress=progress)
         if offload == "chunked":

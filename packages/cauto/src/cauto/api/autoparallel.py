@@ -21,10 +21,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from cauto.api.plan_cache import PlanCache
 from cauto.plan import dumps, parse
+from cauto.plan.units import ByteSizeError, parse_bytes
 from cauto.profiler import capture, profile
 from cauto.solver import plan as solve_plan
-from cauto.solver.cli import parse_bytes
 from cauto.solver.cluster import HardwareSpec, cluster_for_mesh
+from cauto.solver.errors import SolverError
 
 
 def _as_meta(value):
@@ -60,7 +61,10 @@ def _mesh_of(mesh: DeviceMesh | Sequence[int] | str, axis_names: Sequence[str] |
 def _budget(memory_budget: int | str | None) -> int | None:
     if memory_budget is None or isinstance(memory_budget, int):
         return memory_budget
-    return parse_bytes(memory_budget)
+    try:
+        return parse_bytes(memory_budget)
+    except ByteSizeError as exc:
+        raise SolverError(str(exc)) from None
 
 
 def plan_for(fn: Callable, mesh_shape: Sequence[int], *, axis_names: Sequence[str] | None = None,

@@ -3,9 +3,12 @@
 Entry point: :func:`wrap`. See ``manager.py`` for the placement policy.
 """
 
-from .chunk import Layout, ParamSlot, TensorState, build_layout, chunk_state, search_chunk_elems
+from cauto.plan.chunking import search_chunk_elems
+from cauto.plan.units import parse_bytes
+
+from .chunk import Layout, ParamSlot, TensorState, build_layout, chunk_state
 from .manager import ChunkManager
-from .memory import Arena, BudgetError, TrafficCounter, parse_bytes
+from .memory import Arena, BudgetError, TrafficCounter
 from .model import ChunkedModel
 from .optim import ChunkedAdam
 from .wrap import chunk_module, load_checkpoint, save_checkpoint, wrap
