@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -132,6 +133,19 @@ def test_no_import_cycle(pkg):
 def test_no_private_name_imported_across_modules(pkg):
     _, private = _graph(pkg)
     assert not private, "private names imported from another module:\n" + "\n".join(private)
+
+
+@pytest.mark.parametrize("pkg", PACKAGES, ids=[p.name for p in PACKAGES])
+def test_readme_layout_matches_the_tree(pkg):
+    """The README's "## Layout" section lists every module of the package, and nothing else."""
+    text = (pkg / "README.md").read_text()
+    assert "\n## Layout\n" in text, f"{pkg.name}/README.md has no '## Layout' section"
+    section = text.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    base = next(p for p in (pkg / "src" / "cauto").iterdir() if p.is_dir() and p.name != "__pycache__")
+    listed = set(re.findall(r"^  (\S+\.py)\b", section, re.MULTILINE))
+    actual = {str(f.relative_to(base)) for f in base.rglob("*.py")}
+    assert listed == actual, f"missing from the README: {sorted(actual - listed)}; gone from the tree: " \
+                             f"{sorted(listed - actual)}"
 
 
 def test_the_checks_see_a_cycle_and_a_private_import(tmp_path):

@@ -100,7 +100,6 @@ from cauto.solver.memory import MemoryModel, numel
 from cauto.solver.reshard import reshard
 from cauto.solver.strategies import Placements, Strategy
 
-OFFLOAD_MODES = ("none", "auto", "chunked")
 #: bytes per element of a chunked parameter, of its gradient chunk, of its Adam moments (fp32)
 PARAM_ITEMSIZE, GRAD_ITEMSIZE, ADAM_BYTES_PER_ELEM = 4, 4, 8
 #: parameter chunks the runtime pins at once (cauto.runtime.chunks.model.BACKWARD_PINS) and gradient chunks

@@ -170,7 +170,7 @@ def solve(graph: GraphDocument | Mapping, cluster: ClusterSpec, *, memory_budget
     """
     start = time.perf_counter()
     g = graph_document(graph)
-    budget = int(memory_budget if memory_budget is not None else cluster.device.memory_bytes)
+    budget = cluster.budget_bytes(memory_budget)
     if offload_axes is not None and not offload:
         raise SolverError("offload_axes names the axes chunked state is ZeRO-sharded over: it needs offload")
     chunks = OffloadModel.for_graph(g, cluster, budget, offload_axes) if offload else None
