@@ -429,6 +429,12 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes of a tensor's elements (its logical size, not its storage): the one rule the profiler and
+    the runtime use for a value's size."""
+    return t.numel() * t.element_size()
+
+
 def structure_nodes(cap: Capture) -> list[dict]:
     """Graph-document nodes with only their structural fields, in execution order."""
     nodes = []

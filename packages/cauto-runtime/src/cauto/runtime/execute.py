@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.fx.graph_module import _forward_from_src
 
 from cauto.plan import PlanDocument
-from cauto.profiler.capture import SKIPPED_TARGETS, Capture, output_tensors, tensor_inputs
+from cauto.profiler.capture import SKIPPED_TARGETS, Capture, output_tensors, tensor_bytes, tensor_inputs
 from cauto.runtime import ops
 from cauto.runtime.collectives import describe
 from cauto.runtime.propagate import Propagation
@@ -74,7 +74,7 @@ def _join(placements: list[str]) -> str:
 
 def _nbytes(node: torch.fx.Node) -> int:
     tensors = output_tensors(node)
-    return int(tensors[0].numel() * tensors[0].element_size()) if tensors else 0
+    return tensor_bytes(tensors[0]) if tensors else 0
 
 
 def _fix_devices(node: torch.fx.Node, device: torch.device) -> None:

@@ -25,6 +25,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
+from cauto.profiler.capture import tensor_bytes
 from cauto.profiler.memory_session import memory_session
 from cauto.runtime.dist_utils import local_slices, to_placements
 
@@ -49,19 +50,20 @@ def predicted_counts(plan, phases: tuple[str, ...]) -> Counter:
     return Counter(c["op"] for c in plan.predictions["collectives"] if c.get("phase", "forward") in phases)
 
 
-def _tensor_bytes(t) -> int:
+def _local_bytes(t) -> int:
+    """Bytes of this rank's part of a tensor or DTensor (0 for anything else)."""
     if isinstance(t, DTensor):
         t = t._local_tensor
-    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+    return tensor_bytes(t) if isinstance(t, torch.Tensor) else 0
 
 
 def live_state_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
     """Bytes of this rank's parameters, gradients, buffers and optimizer state."""
-    total = sum(_tensor_bytes(p) + (_tensor_bytes(p.grad) if p.grad is not None else 0) for p in module.parameters())
-    total += sum(_tensor_bytes(b) for b in module.buffers())
+    total = sum(_local_bytes(p) + (_local_bytes(p.grad) if p.grad is not None else 0) for p in module.parameters())
+    total += sum(_local_bytes(b) for b in module.buffers())
     if optimizer is not None:
         for state in optimizer.state.values():
-            total += sum(_tensor_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+            total += sum(_local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
     return total
 
 
