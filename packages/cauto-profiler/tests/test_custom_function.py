@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from cauto.profiler import CaptureError, capture, profile
-from cauto.profiler.capture import CustomFunctionError
+from cauto.profiler.errors import CustomFunctionError
 
 
 class StraightThroughRound(torch.autograd.Function):

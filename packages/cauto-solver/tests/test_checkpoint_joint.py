@@ -77,7 +77,8 @@ def test_sharding_result_from_plan():
 
 def test_joint_with_the_real_ilp():
     from cauto.solver import InfeasibleBudgetError, cluster_for_mesh, solve, synthetic
-    from cauto.solver.checkpoint.joint import device_dict, ilp_sharding
+    from cauto.solver.checkpoint.joint import device_dict
+    from cauto.solver.planning import ilp_sharding
 
     graph = synthetic.gpt(layers=2, batch=16, seq=64, hidden=128)
     cluster = cluster_for_mesh("cpu-gloo", (2,))

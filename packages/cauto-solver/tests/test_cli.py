@@ -5,8 +5,9 @@ import json
 import pytest
 
 from cauto.plan import check_document
+from cauto.plan.units import parse_bytes
 from cauto.solver import synthetic
-from cauto.solver.cli import main, parse_bytes
+from cauto.solver.cli import main
 
 
 @pytest.fixture

@@ -7,12 +7,13 @@ from pathlib import Path
 import pytest
 
 from cauto.plan import GraphDocument, check_document, check_plan_matches_graph, load_plan
+from cauto.plan.chunking import count_chunks, default_chunk_elems
 from cauto.solver import InfeasibleBudgetError, SolverError, plan, solve, synthetic
 from cauto.solver.cli import main
 from cauto.solver.cluster import PRESETS, DeviceSpec, cluster_for_mesh
 from cauto.solver.device_memory import device_timeline, plan_strategies
 from cauto.solver.groups import enumerate_strategies
-from cauto.solver.offload import OffloadModel, chunk_elems_for, count_chunks, local_numel
+from cauto.solver.offload import GRAD_ITEMSIZE, PARAM_ITEMSIZE, OffloadModel, local_numel
 
 GRAPH = json.loads((Path(__file__).parent / "data" / "profiled_gpt_graph.json").read_text())
 
@@ -85,10 +86,14 @@ def test_forced_chunks_and_their_limits(cluster, least_on_device):
         plan(GRAPH, cluster, offload="sometimes")
 
 
+def chunk_elems_for(numels, group_size, budget_bytes):
+    return default_chunk_elems([numels], group_size, budget_bytes, PARAM_ITEMSIZE + GRAD_ITEMSIZE)
+
+
 def test_chunk_size_is_the_runtime_rule():
     # never below the largest parameter (aligned to 16 elements), whatever the budget
     assert chunk_elems_for([1000, 1000, 1000], 1, 1) == 1008
-    assert count_chunks([1000, 1000, 1000], 1008, 2) == 4  # padded to a multiple of the group
+    assert count_chunks([[1000, 1000, 1000]], 1008, 2) == 4  # padded to a multiple of the group
     # the budget bounds a chunk's param + grad bytes to budget/8 (the runtime's default); within that,
     # the least padding: 1000 parameters of 100 elements (112 aligned) waste nothing in chunks of 112 * k
     for budget in (64 * 2048, 64 * 10_000):
@@ -177,7 +182,7 @@ def test_chunks_over_one_axis_leave_the_other_to_tensor_parallelism(mesh22, half
     assert all(p["nodes"][i]["outputs"][0][0] == "S(0)" for i in inputs)
     # chunks of the local shards, padded to the group of 2 devices on axis 0
     local = [_local_numel(n["outputs"][0]["shape"], p["params"][n["id"]]["placements"], [2, 2]) for n in trainable]
-    assert off["num_chunks"] == count_chunks(local, off["chunk_elems"], 2)
+    assert off["num_chunks"] == count_chunks([local], off["chunk_elems"], 2)
     # the chunk manager's collectives run on axis 0 only; gradient synchronization on axis 0 is theirs
     zero = [c for c in pred["collectives"] if c["where"].startswith("chunk")]
     assert zero and {c["axis"] for c in zero} == {0}
@@ -197,7 +202,7 @@ def test_chunks_hold_local_shards(mesh22, mixed):
     model = OffloadModel(mesh22, 1 << 30, chunk_elems, chunk_elems, (0,))
     local = [_local_numel(n.outputs[0].shape, mixed["params"][n.id]["placements"], [2, 2]) for n in trainable]
     full = [math.prod(n.outputs[0].shape) for n in trainable]
-    assert model.num_chunks(trainable, chosen) == count_chunks(local, chunk_elems, 2) < count_chunks(full, chunk_elems, 2)
+    assert model.num_chunks(trainable, chosen) == count_chunks([local], chunk_elems, 2) < count_chunks([full], chunk_elems, 2)
     # a dim split on two axes is divided twice, rounding up
     node = next(n for n in graph.nodes if n.id == "p_m_blocks_0_fc_bias")  # 512 elements
     assert local_numel(node, ("S(0)", "S(0)"), (3, 2)) == math.ceil(math.ceil(512 / 3) / 2)

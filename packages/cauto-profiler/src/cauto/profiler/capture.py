@@ -15,7 +15,6 @@ of the first output tensor.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 import re
 from collections.abc import Callable
@@ -27,23 +26,18 @@ import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind
 
 from cauto.plan import graph_fingerprint
+from cauto.profiler.checkpoint_marks import CHECKPOINT_KEY, mark_checkpoints
+from cauto.profiler.errors import CaptureError, CustomFunctionError
+from cauto.profiler.stamp import differences, stamp_mode, stamped_export
 
 ModelFactory = Callable[[], tuple[torch.nn.Module, object]]
 
-#: ops that produce no value worth planning (asserts, in-place detaches of caches)
-_SKIPPED_TARGETS = {"aten._assert_tensor_metadata.default", "aten._assert_scalar.default",
-                    "aten.sym_constrain_range_for_size.default"}
+#: ops that produce no value worth planning (asserts, in-place detaches of caches); the runtime skips
+#: them too
+SKIPPED_TARGETS = {"aten._assert_tensor_metadata.default", "aten._assert_scalar.default",
+                   "aten.sym_constrain_range_for_size.default"}
 _LAYER_PATTERN = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
 _WRAPPER = "m"
-
-
-class CaptureError(RuntimeError):
-    """The model could not be captured; the message says why and what to do."""
-
-
-class CustomFunctionError(CaptureError):
-    """The model calls a custom ``torch.autograd.Function``, which capture cannot keep (see
-    :func:`refuse_autograd_functions`)."""
 
 
 def loss_of(output: object) -> torch.Tensor:
@@ -149,42 +143,6 @@ class Capture:
                 if isinstance(n.meta.get("custom"), dict) and CHECKPOINT_KEY in n.meta["custom"]}
 
 
-CHECKPOINT_KEY = "cauto_checkpoint"
-
-
-@contextlib.contextmanager
-def _mark_checkpoints():
-    """While exporting, tag nodes created inside non-reentrant torch.utils.checkpoint calls."""
-    import torch.fx.traceback as fx_traceback
-    import torch.utils.checkpoint as ckpt
-
-    original = getattr(ckpt, "_checkpoint_without_reentrant_generator", None)
-    if original is None or not hasattr(fx_traceback, "annotate"):  # older torch: no marks, no recomputation
-        yield
-        return
-    counter = itertools.count()
-    depth = [0]
-
-    def marked(*args, **kwargs):
-        gen = original(*args, **kwargs)
-        if depth[0]:
-            yield from gen
-            return
-        depth[0] += 1
-        try:
-            with fx_traceback.annotate({CHECKPOINT_KEY: next(counter)}):
-                yield from gen
-        finally:
-            depth[0] -= 1
-
-    ckpt._checkpoint_without_reentrant_generator = marked
-    try:
-        with fx_traceback.preserve_node_meta():
-            yield
-    finally:
-        ckpt._checkpoint_without_reentrant_generator = original
-
-
 def capture(fn: ModelFactory, *, stamp: bool | None = None) -> Capture:
     """Build the model on meta, export its loss graph, and return the Capture.
 
@@ -193,8 +151,6 @@ def capture(fn: ModelFactory, *, stamp: bool | None = None) -> Capture:
     gives, names included. ``stamp=False`` (or ``CAUTO_STAMP=0``) always exports the whole model;
     ``CAUTO_STAMP=verify`` exports both ways and raises CaptureError if they differ.
     """
-    from cauto.profiler.stamp import differences, stamp_mode, stamped_export
-
     model, args, kwargs = build_on_meta(fn)
     model.train()
     wrapper = LossWrapper(model)
@@ -222,7 +178,7 @@ def capture(fn: ModelFactory, *, stamp: bool | None = None) -> Capture:
 def _export(wrapper: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
     """torch.export of the loss wrapper (checkpointed regions marked); CaptureError saying why not."""
     try:
-        with refuse_autograd_functions(wrapper), _mark_checkpoints(), _lazy_recompiles():
+        with refuse_autograd_functions(wrapper), mark_checkpoints(), _lazy_recompiles():
             return torch.export.export(wrapper, args, kwargs, strict=False)
     except CaptureError:
         raise
@@ -416,7 +372,7 @@ def is_value_node(node: torch.fx.Node) -> bool:
         return True
     if node.op != "call_function" or node.target is _getitem:
         return False
-    if str(node.target) in _SKIPPED_TARGETS:
+    if str(node.target) in SKIPPED_TARGETS:
         return False
     val = node.meta.get("val")
     tensors = [v for v in pytree.tree_leaves(val) if isinstance(v, torch.Tensor)]
@@ -474,8 +430,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
-    """Bytes of a tensor's elements (its logical size, not its storage)."""
-    return int(t.numel()) * t.element_size()
+    """Bytes of a tensor's elements (its logical size, not its storage): the one rule the profiler and
+    the runtime use for a value's size."""
+    return t.numel() * t.element_size()
 
 
 def structure_nodes(cap: Capture) -> list[dict]:

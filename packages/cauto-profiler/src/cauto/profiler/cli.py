@@ -14,17 +14,14 @@ import io
 import json
 import sys
 
+from cauto.plan.units import format_bytes
 from cauto.profiler.target import UsageError, bind_sizes, load_target
 
 EXIT_BAD_INPUT = 2
 
 
 def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
+    return format_bytes(n, largest="TiB")
 
 
 def _fmt_flops(n: float) -> str:

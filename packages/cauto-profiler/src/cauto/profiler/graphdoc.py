@@ -6,14 +6,9 @@ the one the runtime computes from its own capture); costs, memory and sharding l
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from cauto.plan import check_document, graph_fingerprint
 from cauto.plan.versioning import CURRENT_VERSION, format_version
 from cauto.profiler.capture import structure_nodes, tensor_inputs
-
-if TYPE_CHECKING:
-    from cauto.profiler.symbolic import Profile
 
 try:  # written by another part of cauto-profiler; leave labels out while it is missing
     from cauto.profiler.labels import labels_for
@@ -41,8 +36,9 @@ def downsample_timeline(timeline: list, limit: int, keep: set[int] = frozenset()
     return [timeline[i] for i in sorted(picked)]
 
 
-def build_graph_document(prof: Profile, *, max_timeline: int = 2000, validate: bool = True) -> dict:
-    """The graph document of ``prof``; validated against the schema unless ``validate`` is False."""
+def build_graph_document(prof, *, max_timeline: int = 2000, validate: bool = True) -> dict:
+    """The graph document of ``prof``, a ``cauto.profiler.symbolic.Profile`` (read by its fields, not
+    imported: symbolic.py calls this module); validated against the schema unless ``validate`` is False."""
     cap = prof.capture
     nodes = structure_nodes(cap)
     fx_nodes = {n.name: n for n in cap.value_nodes()}

@@ -67,9 +67,9 @@ def measure(fn: Callable, *, train: bool = True, optimizer: str = "adamw", dtype
     args, kwargs = split_inputs(inputs)
     wrapper = LossWrapper(model)
     if run == "graph":
-        from cauto.profiler.capture import _mark_checkpoints
+        from cauto.profiler.checkpoint_marks import mark_checkpoints
 
-        with _mark_checkpoints():
+        with mark_checkpoints():
             wrapper = torch.export.export(wrapper, args, kwargs, strict=False).module()
         _checkpoint_regions(wrapper)
     elif run != "eager":
@@ -104,7 +104,7 @@ def measure(fn: Callable, *, train: bool = True, optimizer: str = "adamw", dtype
 def _checkpoint_regions(gm: torch.fx.GraphModule) -> None:
     """Put each run of consecutive nodes marked with one checkpoint region (capture's marks) back
     under non-reentrant torch.utils.checkpoint, as the profiler's executor runs it (in place)."""
-    from cauto.profiler.capture import CHECKPOINT_KEY
+    from cauto.profiler.checkpoint_marks import CHECKPOINT_KEY
 
     def region_of(n: torch.fx.Node):
         custom = n.meta.get("custom")

@@ -52,7 +52,8 @@ from torch.export.graph_signature import (
     TensorArgument,
 )
 
-from cauto.profiler.capture import CHECKPOINT_KEY, CaptureError
+from cauto.profiler.checkpoint_marks import CHECKPOINT_KEY
+from cauto.profiler.errors import CaptureError
 
 #: stamping needs at least one block beyond the three exported ones
 MIN_REPEATS = 4

@@ -42,7 +42,15 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from cauto.profiler.capture import Capture, CaptureError, capture, concrete_int, module_path, output_tensors
+from cauto.profiler.capture import (
+    Capture,
+    CaptureError,
+    capture,
+    concrete_int,
+    module_path,
+    output_tensors,
+    tensor_bytes,
+)
 from cauto.profiler.devices import DeviceModel, get_device_model
 from cauto.profiler.hints import current_hints, size_hint
 from cauto.profiler.kernel_allocs import KERNELS, MAX_BYTES, MAX_FLOPS, cpu_description, kernel_allocs
@@ -74,10 +82,6 @@ for _name, _fn in (("_scaled_dot_product_flash_attention_for_cpu", _sdpa_cpu_fwd
     _packet = getattr(torch.ops.aten, _name, None)
     if _packet is not None and _packet not in FLOP_FORMULAS:
         FLOP_FORMULAS[_packet] = _fn
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 # ------------------------------------------------------------------------------------------- results
@@ -470,7 +474,7 @@ class _Tracker(TorchDispatchMode):
         dtype = None
         for t in pytree.tree_leaves((args, kwargs, out)):
             if isinstance(t, torch.Tensor):
-                nbytes += _nbytes(t)
+                nbytes += tensor_bytes(t)
                 dtype = t.dtype
         self.costs[(node, self.phase)].append((flops, nbytes, dtype))
 
@@ -1094,7 +1098,7 @@ def _node_stats(cap: Capture, tracker: _Tracker, saved: dict[str, int], dm: Devi
         outs = output_tensors(n)
         st = NodeStats(n.name, str(n.target) if n.op != "placeholder" else cap.placeholders[n.name][0],
                        module_path(n) if n.op != "placeholder" else "",
-                       output_bytes=sum(_nbytes(t) for t in outs))
+                       output_bytes=sum(tensor_bytes(t) for t in outs))
         nodes[n.name] = st
     getitem_parent = {}
     for n in cap.graph.nodes:

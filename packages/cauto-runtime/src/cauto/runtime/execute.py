@@ -34,9 +34,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.fx.graph_module import _forward_from_src
 
 from cauto.plan import PlanDocument
-from cauto.profiler.capture import _SKIPPED_TARGETS, Capture, output_tensors, tensor_inputs
+from cauto.profiler.capture import SKIPPED_TARGETS, Capture, output_tensors, tensor_bytes, tensor_inputs
 from cauto.runtime import ops
-from cauto.runtime.collectives import describe, edge_collectives
+from cauto.runtime.collectives import describe
 from cauto.runtime.propagate import Propagation
 
 
@@ -74,7 +74,7 @@ def _join(placements: list[str]) -> str:
 
 def _nbytes(node: torch.fx.Node) -> int:
     tensors = output_tensors(node)
-    return int(tensors[0].numel() * tensors[0].element_size()) if tensors else 0
+    return tensor_bytes(tensors[0]) if tensors else 0
 
 
 def _fix_devices(node: torch.fx.Node, device: torch.device) -> None:
@@ -154,7 +154,7 @@ def build(cap: Capture, plan: PlanDocument, mesh: DeviceMesh, device: torch.devi
     for node in list(graph.nodes):
         if node.op != "call_function" or "cauto_owner" in node.meta:
             continue
-        if str(node.target) in _SKIPPED_TARGETS:
+        if str(node.target) in SKIPPED_TARGETS:
             if not node.users:
                 graph.erase_node(node)
             continue
@@ -295,11 +295,3 @@ def compile_with_comments(gm: torch.fx.GraphModule) -> str:
     gm._code = src
     type(gm).forward = _forward_from_src(src, python_code.globals, getattr(gm.graph, "_co_fields", {}))
     return src
-
-
-def collectives_of(redistributions: list[Redistribution]) -> list[dict]:
-    """Forward collectives of the executed redistributions, as plan-document entries."""
-    out = []
-    for r in redistributions:
-        out += edge_collectives(r.have, r.want, r.bytes, phase="forward", where=f"{r.src}->{r.dst}[{r.arg}]")
-    return out

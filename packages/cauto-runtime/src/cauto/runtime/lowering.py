@@ -38,6 +38,8 @@ import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from cauto.profiler.capture import tensor_bytes
+
 COLLECTIVE_NAMESPACE = "_c10d_functional"
 
 
@@ -55,9 +57,9 @@ def _axis_of_group(mesh: DeviceMesh) -> dict[str, str]:
     return out
 
 
-def _tensor_bytes(node: torch.fx.Node) -> int:
+def _node_bytes(node: torch.fx.Node) -> int:
     val = node.meta.get("val")
-    return int(val.numel() * val.element_size()) if isinstance(val, torch.Tensor) else 0
+    return tensor_bytes(val) if isinstance(val, torch.Tensor) else 0
 
 
 def annotate_collectives(gm: torch.fx.GraphModule, mesh: DeviceMesh) -> list[dict]:
@@ -72,7 +74,7 @@ def annotate_collectives(gm: torch.fx.GraphModule, mesh: DeviceMesh) -> list[dic
             node.meta["cauto_comment"] = "wait for the collective above: first use of its result"
             continue
         group = next((a for a in node.args if isinstance(a, str) and a in groups), None)
-        nbytes = _tensor_bytes(node)
+        nbytes = _node_bytes(node)
         where = groups.get(group, f"group {group}")
         node.meta["cauto_comment"] = f"COLLECTIVE {op} over {where}: {nbytes} bytes out"
         records.append({"op": op, "axis": where, "bytes": nbytes, "node": node.name})
@@ -266,7 +268,7 @@ def bucket_gradient_reductions(gm: torch.fx.GraphModule, mesh: DeviceMesh, bucke
         pairs.sort(key=lambda pair: position[pair[0].args[0]])
         chunks, current, size = [], [], 0
         for pair in pairs:
-            nbytes = _tensor_bytes(pair[0])
+            nbytes = _node_bytes(pair[0])
             if current and size + nbytes > bucket_bytes:
                 chunks.append(current)
                 current, size = [], 0

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 
 from cauto.plan import (
@@ -27,13 +26,11 @@ from cauto.plan import (
     load,
     load_graph,
 )
+from cauto.plan.options import CHECKPOINT_METHODS, OFFLOAD_MODES, SOLVERS
+from cauto.plan.units import ByteSizeError, parse_bytes
 from cauto.solver.cluster import PRESETS, cluster_for_mesh, parse_mesh
 from cauto.solver.errors import InfeasibleBudgetError, SolverError
-from cauto.solver.offload import OFFLOAD_MODES
 from cauto.solver.summary import explain, summary
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
 
 def parse_axes(text: str, axis_names: tuple[str, ...]) -> tuple[int, ...]:
@@ -50,12 +47,12 @@ def parse_axes(text: str, axis_names: tuple[str, ...]) -> tuple[int, ...]:
     return tuple(axes)
 
 
-def parse_bytes(text: str) -> int:
-    """'70GiB' -> 75161927680; plain numbers are bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text or "")
-    if not m or m.group(2).lower() not in _UNITS:
-        raise SolverError(f"memory {text!r} is not a size like 70GiB, 512MiB, 80GB or 1e9")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+def budget_bytes(text: str) -> int:
+    """``--memory``: cauto.plan.units.parse_bytes, a bad size raising SolverError (one line, exit 1)."""
+    try:
+        return parse_bytes(text)
+    except ByteSizeError as exc:
+        raise SolverError(str(exc)) from None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -71,7 +68,7 @@ def _solve_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster", default="cpu-gloo",
                    help=f"preset ({', '.join(sorted(PRESETS))}) or spec file from tools/calibrate.py")
     p.add_argument("--memory", help="per-device memory budget, e.g. 70GiB (default: the device's memory)")
-    p.add_argument("--checkpoint", default="none", choices=["none", "auto", "rotor", "chen"],
+    p.add_argument("--checkpoint", default="none", choices=list(CHECKPOINT_METHODS),
                    help="activation checkpointing: none, or solved jointly with sharding (auto picks rotor or chen)")
     p.add_argument("--offload", default="none", choices=list(OFFLOAD_MODES),
                    help="hand data-parallel model state to the runtime's chunk manager (host offload, ZeRO): "
@@ -79,7 +76,7 @@ def _solve_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload-axes",
                    help="comma-separated mesh axes (indices or names) the chunks are ZeRO-sharded over, the "
                         "others left to tensor parallelism (default: the fastest of every axis and each one alone)")
-    p.add_argument("--solver", default="cbc", choices=["cbc", "highs"])
+    p.add_argument("--solver", default="cbc", choices=list(SOLVERS))
     p.add_argument("--time-limit", type=float, default=60.0, help="solver time limit in seconds")
     p.add_argument("-o", "--output", required=True, help="where to write the plan document")
     p.add_argument("--replace-symlink", action="store_true",
@@ -110,17 +107,18 @@ def main(argv: list[str] | None = None, progress=None) -> int:
         args = _solve_parser().parse_args(argv)
         from cauto.solver.checkpoint import summary_lines
         from cauto.solver.planning import plan as make_plan
+        from cauto.solver.planning import plan_options
 
         check_output(args.output, replace_symlink=args.replace_symlink)  # before solving, not after
         shape = parse_mesh(args.mesh)
         names = tuple(s.strip() for s in args.axis_names.split(",")) if args.axis_names else None
         cluster = cluster_for_mesh(args.cluster, shape, names)
-        budget = parse_bytes(args.memory) if args.memory is not None else None  # '' is a bad size, not the default
+        budget = budget_bytes(args.memory) if args.memory is not None else None  # '' is a bad size, not the default
         offload_axes = parse_axes(args.offload_axes, cluster.axis_names) if args.offload_axes is not None else None
         graph = load_graph(args.graph)
-        plan = make_plan(graph, cluster, memory_budget=budget, checkpoint=args.checkpoint,
-                         time_limit_s=args.time_limit, solver=args.solver, progress=progress,
-                         offload=args.offload, offload_axes=offload_axes)
+        options = plan_options(memory_budget=budget, checkpoint=args.checkpoint, time_limit_s=args.time_limit,
+                               solver=args.solver, offload=args.offload, offload_axes=offload_axes)
+        plan = make_plan(graph, cluster, options, progress=progress)
         dump(plan, args.output, replace_symlink=args.replace_symlink)
         print(summary(plan))
         if "checkpoint" in plan:

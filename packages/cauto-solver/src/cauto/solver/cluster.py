@@ -103,6 +103,11 @@ class ClusterSpec:
         if len(self.axes) != len(self.mesh_shape):
             raise SolverError(f"{len(self.axes)} axis links for a {len(self.mesh_shape)}-D mesh")
 
+    def budget_bytes(self, memory_budget_bytes: int | None) -> int:
+        """The per-device memory budget of a plan: ``memory_budget_bytes``, or None: the device's memory
+        (the one place the default is resolved)."""
+        return int(memory_budget_bytes if memory_budget_bytes is not None else self.device.memory_bytes)
+
     @property
     def world_size(self) -> int:
         return math.prod(self.mesh_shape)

@@ -19,12 +19,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from cauto.plan import GraphDocument, check_document, check_plan_matches_graph
-from cauto.plan.errors import DocumentError
-from cauto.solver.device_walk import plan_all_to_all, predicted_points
+from cauto.plan import GraphDocument, check_plan_matches_graph
+from cauto.solver.device_walk import plan_all_to_all, predicted_peak_bytes, predicted_points
 from cauto.solver.errors import SolverError
 from cauto.solver.groups import enumerate_strategies
-from cauto.solver.memory import MemoryModel
+from cauto.solver.inputs import graph_document
+from cauto.solver.memory import MemoryModel, numel
+from cauto.solver.offload import OffloadModel
 from cauto.solver.strategies import Strategy
 
 PHASES = ("forward", "backward", "grad_sync", "optimizer")
@@ -54,15 +55,6 @@ class DeviceTimeline:
         return peaks
 
 
-def _graph(graph: GraphDocument | Mapping) -> GraphDocument:
-    if isinstance(graph, GraphDocument):
-        return graph
-    try:
-        return GraphDocument.from_dict(check_document(dict(graph), "graph"))
-    except DocumentError as exc:
-        raise SolverError(f"invalid graph document: {exc}") from None
-
-
 def plan_strategies(plan: Mapping, graph: GraphDocument, strategies: Mapping[str, list[Strategy]]) -> dict[str, Strategy]:
     """node id -> the Strategy the plan chose (matched by name and placements among the node's strategies)."""
     chosen: dict[str, Strategy] = {}
@@ -87,7 +79,7 @@ def device_timeline(plan: Mapping, graph: GraphDocument | Mapping) -> DeviceTime
     """The plan's predicted memory per device over one training step (module docstring).
 
     Raises SolverError (or cauto.plan's MismatchError) when the plan was not solved for ``graph``."""
-    g = _graph(graph)
+    g = graph_document(graph)
     check_plan_matches_graph(dict(plan), g)
     mesh = tuple(plan["mesh"]["shape"])
     train = bool(g.settings.get("train", True))
@@ -98,9 +90,6 @@ def device_timeline(plan: Mapping, graph: GraphDocument | Mapping) -> DeviceTime
     chosen = plan_strategies(plan, g, strategies)
     offload = plan.get("offload")
     if offload and any(p.get("state") == "chunked" for p in plan["params"].values()):
-        from cauto.solver.memory import numel
-        from cauto.solver.offload import OffloadModel
-
         numels = [numel(n) for n in nodes if n.kind == "param" and not n.tied_to and n.requires_grad is not False]
         axes = offload.get("mesh_axes")  # the data-parallel axes D the chunks are ZeRO-sharded over
         chunks = OffloadModel(None, int(offload["device_budget_bytes"]), int(offload["chunk_elems"]),
@@ -112,3 +101,28 @@ def device_timeline(plan: Mapping, graph: GraphDocument | Mapping) -> DeviceTime
 def _walk(memory: MemoryModel, nodes: list, chosen: dict[str, Strategy], regions: list) -> DeviceTimeline:
     points = predicted_points(memory, nodes, chosen, regions)
     return DeviceTimeline(points, memory.predict(nodes, chosen)[1], bool(regions))
+
+
+def device_peak_judge(graph_doc: dict):
+    """``(sharding plan document, regions) -> peak bytes per device`` for plans of ``graph_doc``:
+    the strategies each plan names, on the memory model calibrated as ``solve`` calibrates it."""
+    g = graph_document(graph_doc)
+    nodes = [n for n in g.nodes if n.kind != "output"]
+    train = bool(g.settings.get("train", True))
+    models: dict[tuple, tuple] = {}
+
+    def judge(plan_doc: dict, regions: list) -> int:
+        if not regions:  # nothing recomputed: the plan's own (calibrated) prediction
+            return int(plan_doc["predictions"]["peak_bytes"])
+        key = (tuple(plan_doc["mesh"]["shape"]), tuple(plan_doc["mesh"]["axis_names"]))
+        if key not in models:
+            strategies = enumerate_strategies(g, key[0], key[1])
+            memory = MemoryModel(key[0], g.settings.get("optimizer", "adamw"), train, plan_all_to_all(plan_doc))
+            memory.calibrate(nodes, {n.id: strategies[n.id][0] for n in nodes}, int(g.memory.get("peak_bytes", 0)),
+                             g.memory)
+            models[key] = (strategies, memory)
+        strategies, memory = models[key]
+        chosen = plan_strategies(plan_doc, g, strategies)
+        return predicted_peak_bytes(memory, nodes, chosen, regions)
+
+    return judge

@@ -218,31 +218,3 @@ def predicted_peak_bytes(memory: MemoryModel, nodes: list, chosen: dict[str, Str
     """The plan's ``predictions.peak_bytes``: the highest of ``predicted_points``."""
     return max((b for _, _, b in predicted_points(memory, nodes, chosen, regions)),
                default=memory.predict(nodes, chosen)[1])
-
-
-def device_peak_judge(graph_doc: dict):
-    """``(sharding plan document, regions) -> peak bytes per device`` for plans of ``graph_doc``:
-    the strategies each plan names, on the memory model calibrated as ``solve`` calibrates it."""
-    from cauto.solver.device_memory import _graph, plan_strategies
-    from cauto.solver.groups import enumerate_strategies
-
-    g = _graph(graph_doc)
-    nodes = [n for n in g.nodes if n.kind != "output"]
-    train = bool(g.settings.get("train", True))
-    models: dict[tuple, tuple] = {}
-
-    def judge(plan_doc: dict, regions: list) -> int:
-        if not regions:  # nothing recomputed: the plan's own (calibrated) prediction
-            return int(plan_doc["predictions"]["peak_bytes"])
-        key = (tuple(plan_doc["mesh"]["shape"]), tuple(plan_doc["mesh"]["axis_names"]))
-        if key not in models:
-            strategies = enumerate_strategies(g, key[0], key[1])
-            memory = MemoryModel(key[0], g.settings.get("optimizer", "adamw"), train, plan_all_to_all(plan_doc))
-            memory.calibrate(nodes, {n.id: strategies[n.id][0] for n in nodes}, int(g.memory.get("peak_bytes", 0)),
-                             g.memory)
-            models[key] = (strategies, memory)
-        strategies, memory = models[key]
-        chosen = plan_strategies(plan_doc, g, strategies)
-        return predicted_peak_bytes(memory, nodes, chosen, regions)
-
-    return judge

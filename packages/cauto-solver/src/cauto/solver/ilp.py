@@ -36,10 +36,9 @@ from dataclasses import dataclass
 import numpy as np
 import pulp
 
+from cauto.plan.options import SOLVERS
 from cauto.solver.errors import SolverError
 from cauto.solver.groups import Problem
-
-SOLVERS = ("cbc", "highs")
 
 
 @dataclass

@@ -90,7 +90,9 @@ import math
 from dataclasses import dataclass
 
 from cauto.plan import GraphDocument, GraphNode, split_ref
+from cauto.plan.chunking import count_chunks, default_chunk_elems
 from cauto.plan.execution import execution_section, simulated_device_budget_bytes
+from cauto.plan.mesh_axes import data_parallel_axes
 from cauto.solver.cluster import ClusterSpec
 from cauto.solver.cost import CostModel
 from cauto.solver.device_walk import predicted_peak_bytes
@@ -99,12 +101,10 @@ from cauto.solver.memory import MemoryModel, numel
 from cauto.solver.reshard import reshard
 from cauto.solver.strategies import Placements, Strategy
 
-OFFLOAD_MODES = ("none", "auto", "chunked")
 #: bytes per element of a chunked parameter, of its gradient chunk, of its Adam moments (fp32)
 PARAM_ITEMSIZE, GRAD_ITEMSIZE, ADAM_BYTES_PER_ELEM = 4, 4, 8
 #: parameter chunks the runtime pins at once (cauto.runtime.chunks.model.BACKWARD_PINS) and gradient chunks
 WORKING_SET_PARAM_CHUNKS, WORKING_SET_GRAD_CHUNKS = 2, 1
-ALIGN_ELEMS = 16  # cauto.runtime.chunks.chunk.ALIGN_ELEMS: every parameter starts 64 bytes aligned
 #: ILP seconds charged per redistribution edge: pure data-parallel plans with chunked state run without any
 EDGE_PENALTY_S = 1e3
 
@@ -118,24 +118,6 @@ def is_chunked(node: GraphNode, strategy: Strategy, mesh_axes: tuple[int, ...] |
             and all(placements[a] == "R" for a in axes))
 
 
-def data_parallel_axes(mesh_shape: tuple[int, ...], mesh_axes: tuple[int, ...] | None) -> tuple[int, ...]:
-    """The axes D chunks are ZeRO-sharded over, in mesh order: ``mesh_axes``, or every axis when None.
-
-    Raises SolverError for an empty list, an axis outside the mesh, or an axis named twice."""
-    if mesh_axes is None:
-        return tuple(range(len(mesh_shape)))
-    axes = tuple(mesh_axes)
-    if not axes:
-        raise SolverError("offload axes must name at least one mesh axis")
-    bad = [a for a in axes if not isinstance(a, int) or isinstance(a, bool) or not 0 <= a < len(mesh_shape)]
-    if bad:
-        raise SolverError(f"offload axis {bad[0]!r} is not an axis of the {len(mesh_shape)}-D mesh "
-                          f"{tuple(mesh_shape)} (axes 0 to {len(mesh_shape) - 1})")
-    if len(set(axes)) != len(axes):
-        raise SolverError(f"offload axes {list(axes)} name an axis twice")
-    return tuple(sorted(axes))
-
-
 def local_numel(node: GraphNode, placements: Placements, mesh_shape: tuple[int, ...]) -> int:
     """Elements of one device's shard of a placeholder placed ``placements`` (a dim split on an axis of
     n devices becomes ceil(dim / n), once per such axis)."""
@@ -147,38 +129,6 @@ def local_numel(node: GraphNode, placements: Placements, mesh_shape: tuple[int, 
             d = int(p[2:-1])
             dims[d] = -(-dims[d] // mesh_shape[axis])
     return math.prod(dims)
-
-
-def _aligned(n: int) -> int:
-    return (n + ALIGN_ELEMS - 1) // ALIGN_ELEMS * ALIGN_ELEMS
-
-
-def count_chunks(numels: list[int], chunk_elems: int, group_size: int = 1) -> int:
-    """Chunks of parameters packed in order (none spans two), padded to a multiple of ``group_size``."""
-    count, used = 0, None
-    for n in numels:
-        if used is None or used + n > chunk_elems:
-            count += 1
-            used = 0
-        used += _aligned(n)
-    return -(-count // group_size) * group_size
-
-
-def chunk_elems_for(numels: list[int], group_size: int, budget_bytes: int) -> int:
-    """The runtime's default chunk size (``chunk_module``'s search, one parameter group, fp32)."""
-    total = sum(numels)
-    per_elem = PARAM_ITEMSIZE + GRAD_ITEMSIZE
-    hi = min(total, max(budget_bytes // (8 * per_elem), 1))
-    step = max(1024, hi // 2000)
-    lo = max(_aligned(max(numels, default=1)), ALIGN_ELEMS)
-    hi = max(lo, hi)
-    best, best_waste, size = lo, None, lo
-    while size <= hi:
-        waste = count_chunks(numels, size, group_size) * size - total
-        if best_waste is None or waste < best_waste:
-            best, best_waste = size, waste
-        size = (size // step + 1) * step
-    return best
 
 
 @dataclass(frozen=True)
@@ -196,18 +146,20 @@ class OffloadModel:
 
     def __post_init__(self):
         if self.cluster is not None:
-            object.__setattr__(self, "mesh_axes", data_parallel_axes(tuple(self.cluster.mesh_shape), self.mesh_axes))
+            axes = data_parallel_axes(tuple(self.cluster.mesh_shape), self.mesh_axes, error=SolverError)
+            object.__setattr__(self, "mesh_axes", axes)
 
     @classmethod
     def for_graph(cls, graph: GraphDocument, cluster: ClusterSpec, budget_bytes: int,
                   mesh_axes: tuple[int, ...] | None = None) -> OffloadModel:
         """The model for ``graph`` on ``cluster`` under a per-device budget, chunks ZeRO-sharded over
         ``mesh_axes`` (default: every axis)."""
-        axes = data_parallel_axes(tuple(cluster.mesh_shape), mesh_axes)
+        axes = data_parallel_axes(tuple(cluster.mesh_shape), mesh_axes, error=SolverError)
         numels = [numel(n) for n in graph.nodes if n.kind == "param" and not n.tied_to and n.requires_grad is not False]
         group_size = math.prod(cluster.mesh_shape[a] for a in axes)
-        return cls(cluster, int(budget_bytes), chunk_elems_for(numels, group_size, budget_bytes),
-                   max(numels, default=0), axes)
+        # the runtime's own default (chunk_module's search, one parameter group, fp32)
+        chunk_elems = default_chunk_elems([numels], group_size, budget_bytes, PARAM_ITEMSIZE + GRAD_ITEMSIZE)
+        return cls(cluster, int(budget_bytes), chunk_elems, max(numels, default=0), axes)
 
     @property
     def pure(self) -> bool:
@@ -244,7 +196,7 @@ class OffloadModel:
         them, padded to a multiple of the group size (module docstring)."""
         mesh = tuple(self.cluster.mesh_shape)
         numels = [local_numel(n, chosen[n.id].outputs[0], mesh) for n in chunked]
-        return count_chunks(numels, self.chunk_elems, self.group_size)
+        return count_chunks([numels], self.chunk_elems, self.group_size)
 
     def traffic_bytes(self, num_chunks: int, arena_bytes: int) -> int:
         """Host link bytes per step of ``num_chunks`` chunks with an arena of ``arena_bytes`` (module docstring)."""

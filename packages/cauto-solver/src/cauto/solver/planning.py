@@ -1,6 +1,8 @@
 """One entry point for a whole plan: sharding alone, or sharding with activation checkpointing.
 
-``plan(graph, cluster, memory_budget=M, checkpoint=...)``:
+``plan(graph, cluster, PlanOptions(memory_budget_bytes=M, checkpoint=...))`` (cauto.plan.options; the
+same options as keywords also work, ``memory_budget=M``), the default budget being the device's
+memory (``ClusterSpec.budget_bytes``):
 * "none": the sharding ILP with every activation stored (``solve``).
 * "auto": the joint search of checkpoint/joint.py — one budget M shared by model state and
   activations, the split searched with the ILP in the loop — then the best schedule (rotor or
@@ -29,61 +31,51 @@ time wins (ties: every axis); none feasible raises the error with the least memo
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Mapping
+from dataclasses import replace
 
 from cauto.plan import GraphDocument
-from cauto.solver.checkpoint import attach_checkpoint, ilp_sharding, joint_plan
-from cauto.solver.checkpoint.joint import device_dict
+from cauto.plan.mesh_axes import data_parallel_axes
+from cauto.plan.options import CHECKPOINT_METHODS, OptionsError, PlanOptions
+from cauto.solver.checkpoint import ShardingResult, attach_checkpoint, joint_plan, sharding_result_from_plan
+from cauto.solver.checkpoint.joint import UNLIMITED_BYTES, SolveSharding, device_dict
 from cauto.solver.cluster import ClusterSpec
-from cauto.solver.device_walk import device_peak_judge
+from cauto.solver.device_memory import device_peak_judge
 from cauto.solver.errors import InfeasibleBudgetError, SolverError
-from cauto.solver.offload import OFFLOAD_MODES, data_parallel_axes
 from cauto.solver.progress import CHECKPOINT_PHASE, ProgressFn, counted, joint_solves_at_most
 from cauto.solver.solve import solve
 
-CHECKPOINT_METHODS = ("none", "auto", "rotor", "chen")
+__all__ = ["CHECKPOINT_METHODS", "PlanOptions", "ilp_sharding", "offload_axes_candidates", "plan", "plan_options"]
 
 
-def plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, *, memory_budget: int | None = None,
-         checkpoint: str = "none", solver: str = "cbc", time_limit_s: float = 60.0,
-         progress: ProgressFn | None = None, offload: str = "none",
-         offload_axes: tuple[int, ...] | None = None) -> dict:
-    """Return a plan document for ``graph`` on ``cluster`` within ``memory_budget`` bytes per device
-    (None: the device's memory; anything but a positive whole number of bytes is refused)."""
-    if memory_budget is not None and (isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Integral)
-                                      or memory_budget <= 0):
-        raise SolverError(f"memory budget {memory_budget!r} is not a positive number of bytes; give a size such as "
-                          "70GiB (or 75161927680), or none for the device's memory")
-    if checkpoint not in CHECKPOINT_METHODS:
-        raise SolverError(f"checkpoint method {checkpoint!r} is not one of {', '.join(CHECKPOINT_METHODS)}")
-    if offload not in OFFLOAD_MODES:
-        raise SolverError(f"offload {offload!r} is not one of {', '.join(OFFLOAD_MODES)}")
-    if offload == "chunked" and checkpoint != "none":
-        raise SolverError("offload='chunked' does not combine with activation checkpointing yet; use "
-                          "checkpoint='none', or offload='auto' (chunked state only where no checkpointed plan fits)")
-    if offload_axes is not None:
-        if offload == "none":
-            raise SolverError("offload axes name the axes chunked state is ZeRO-sharded over: they need offload "
-                              "'auto' or 'chunked'")
-        offload_axes = data_parallel_axes(tuple(cluster.mesh_shape), offload_axes)
-    if offload != "none":
-        chunked = dict(memory_budget=memory_budget, solver=solver, time_limit_s=time_limit_s, progress=progress)
-        if offload == "chunked":
-            return _chunked_plan(graph, cluster, offload_axes, **chunked)
+def plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options: PlanOptions | None = None, *,
+         progress: ProgressFn | None = None, **option_kwargs) -> dict:
+    """Return a plan document for ``graph`` on ``cluster`` with ``options`` (cauto.plan.PlanOptions).
+
+    The options may instead be given as keywords (``memory_budget`` for ``memory_budget_bytes``, and
+    ``checkpoint``, ``solver``, ``time_limit_s``, ``offload``, ``offload_axes``): a front that builds
+    the PlanOptions. A bad option raises SolverError naming it."""
+    options = plan_options(options, **option_kwargs)
+    if options.offload_axes is not None:
+        axes = data_parallel_axes(tuple(cluster.mesh_shape), options.offload_axes, error=SolverError)
+        options = replace(options, offload_axes=axes)
+    if options.offload != "none":
+        if options.offload == "chunked":
+            return _chunked_plan(graph, cluster, options, progress)
         try:
-            return plan(graph, cluster, memory_budget=memory_budget, checkpoint=checkpoint, solver=solver,
-                        time_limit_s=time_limit_s, progress=progress)
+            return plan(graph, cluster, replace(options, offload="none", offload_axes=None), progress=progress)
         except InfeasibleBudgetError as on_device:
             try:
-                return _chunked_plan(graph, cluster, offload_axes, **chunked)
+                return _chunked_plan(graph, cluster, options, progress)
             except InfeasibleBudgetError as with_chunks:
                 raise min(on_device, with_chunks, key=lambda e: e.needed_bytes or float("inf")) from None
+    checkpoint, solver, time_limit_s = options.checkpoint, options.solver, options.time_limit_s
+    memory_budget = options.memory_budget_bytes
     if checkpoint == "none":
         return solve(graph, cluster, memory_budget=memory_budget, solver=solver, time_limit_s=time_limit_s,
                      progress=progress)
     graph_doc = graph.to_dict() if isinstance(graph, GraphDocument) else dict(graph)
-    budget = int(memory_budget if memory_budget is not None else cluster.device.memory_bytes)
+    budget = cluster.budget_bytes(memory_budget)
     ilp_only = None
     if checkpoint == "auto":
         try:
@@ -113,6 +105,21 @@ def plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, *, memory_budget:
     return plan_doc
 
 
+def ilp_sharding(graph_doc: dict, cluster: ClusterSpec, **solve_kwargs) -> SolveSharding:
+    """The sharding ILP (``cauto.solver.solve`` on ``cluster``) as the joint search's SolveSharding
+    callback (checkpoint/joint.py): None budget is no memory limit, None result is nothing fits."""
+
+    def solve_sharding(budget: int | None) -> ShardingResult | None:
+        try:
+            plan = solve(graph_doc, cluster, memory_budget=UNLIMITED_BYTES if budget is None else budget,
+                         **solve_kwargs)
+        except InfeasibleBudgetError:
+            return None
+        return sharding_result_from_plan(plan)
+
+    return solve_sharding
+
+
 def offload_axes_candidates(mesh_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
     """The data-parallel axes D a chunked plan tries when none are given (module docstring): every axis
     first, then each axis of size > 1 alone where more than one axis has size > 1."""
@@ -121,19 +128,33 @@ def offload_axes_candidates(mesh_shape: tuple[int, ...]) -> list[tuple[int, ...]
     return [every] + ([(a,) for a in split] if len(split) > 1 else [])
 
 
-def _chunked_plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, offload_axes: tuple[int, ...] | None,
-                  **solve_kwargs) -> dict:
+def plan_options(options: PlanOptions | None = None, *, memory_budget: int | None = None, **kwargs) -> PlanOptions:
+    """``options``, or PlanOptions built from the keywords (``memory_budget``: ``memory_budget_bytes``);
+    a bad option raises SolverError with PlanOptions' message."""
+    if options is not None:
+        if kwargs or memory_budget is not None:
+            raise SolverError("give the planning options either as a PlanOptions or as keywords, not both")
+        return options
+    try:
+        return PlanOptions(memory_budget_bytes=memory_budget, **kwargs)
+    except OptionsError as exc:
+        raise SolverError(str(exc)) from None
+
+
+def _chunked_plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options: PlanOptions,
+                  progress: ProgressFn | None) -> dict:
     """The sharding ILP with chunked state over ``offload_axes``, or, when None, the feasible plan with
     the least predicted step time over ``offload_axes_candidates`` (the first on ties); none feasible
     raises the InfeasibleBudgetError with the least needed bytes."""
-    if offload_axes is None:
+    if options.offload_axes is None:
         candidates = offload_axes_candidates(tuple(cluster.mesh_shape))
     else:
-        candidates = [offload_axes]
+        candidates = [options.offload_axes]
     plans, infeasible = [], []
     for axes in candidates:
         try:
-            plans.append(solve(graph, cluster, offload=True, offload_axes=axes, **solve_kwargs))
+            plans.append(solve(graph, cluster, offload=True, offload_axes=axes, memory_budget=options.memory_budget_bytes,
+                               solver=options.solver, time_limit_s=options.time_limit_s, progress=progress))
         except InfeasibleBudgetError as exc:
             infeasible.append(exc)
     if plans:

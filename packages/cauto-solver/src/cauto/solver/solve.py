@@ -25,8 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
-from cauto.plan import CURRENT_VERSION, GraphDocument, check_document, check_plan_matches_graph, split_ref
-from cauto.plan.errors import DocumentError
+from cauto.plan import CURRENT_VERSION, GraphDocument, check_plan_matches_graph, split_ref
 from cauto.plan.execution import GRAD_OF
 from cauto.plan.versioning import format_version
 from cauto.solver.cluster import ClusterSpec
@@ -35,20 +34,12 @@ from cauto.solver.device_walk import predicted_peak_bytes
 from cauto.solver.errors import InfeasibleBudgetError, SolverError
 from cauto.solver.groups import Problem, build_problem, enumerate_strategies, fanouts, tensor_requires_grad
 from cauto.solver.ilp import solve_ilp
+from cauto.solver.inputs import graph_document
 from cauto.solver.memory import MemoryModel
 from cauto.solver.offload import OffloadModel, first_edge, ilp_budget
 from cauto.solver.progress import ProgressFn
 from cauto.solver.reshard import Collective, backward_target, is_partial, reshard
 from cauto.solver.strategies import Placements, Strategy
-
-
-def _graph(graph: GraphDocument | Mapping) -> GraphDocument:
-    if isinstance(graph, GraphDocument):
-        return graph  # made by cauto.plan.load_graph, which validated it
-    try:
-        return GraphDocument.from_dict(check_document(dict(graph), "graph"))
-    except DocumentError as exc:
-        raise SolverError(f"invalid graph document: {exc}") from None
 
 
 def build(graph: GraphDocument, cluster: ClusterSpec, *, follow: bool = True, share_layers: bool = True,
@@ -179,8 +170,8 @@ def solve(graph: GraphDocument | Mapping, cluster: ClusterSpec, *, memory_budget
     traffic model). ``offload_axes`` must be distinct axes of the mesh, and needs ``offload``.
     """
     start = time.perf_counter()
-    g = _graph(graph)
-    budget = int(memory_budget if memory_budget is not None else cluster.device.memory_bytes)
+    g = graph_document(graph)
+    budget = cluster.budget_bytes(memory_budget)
     if offload_axes is not None and not offload:
         raise SolverError("offload_axes names the axes chunked state is ZeRO-sharded over: it needs offload")
     chunks = OffloadModel.for_graph(g, cluster, budget, offload_axes) if offload else None

@@ -5,15 +5,9 @@ from __future__ import annotations
 import re
 from collections import Counter, OrderedDict
 
+from cauto.plan.units import format_bytes
+
 _LAYER = re.compile(r"^(.*?)\.(\d+)(\..*)?$")
-
-
-def fmt_bytes(n: float) -> str:
-    """'1.50 GiB' style."""
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 def fmt_s(t: float) -> str:
@@ -35,9 +29,9 @@ def summary(plan: dict, top_edges: int = 5) -> str:
         f"mesh {mesh} ({', '.join(names)}) on {plan['cluster']['name']}",
         f"predicted step time  {fmt_s(st['total'])}  (compute {fmt_s(st['compute'])}, "
         f"communication {fmt_s(st['communication'])})",
-        f"per-device peak      {fmt_bytes(pred['peak_bytes'])}  (model state {fmt_bytes(pred.get('model_state_bytes', 0))}, "
-        f"activations {fmt_bytes(pred.get('activation_bytes', 0))}; budget "
-        f"{fmt_bytes(pred['memory_budget_bytes']) if pred.get('memory_budget_bytes') else 'none'})",
+        f"per-device peak      {format_bytes(pred['peak_bytes'])}  (model state {format_bytes(pred.get('model_state_bytes', 0))}, "
+        f"activations {format_bytes(pred.get('activation_bytes', 0))}; budget "
+        f"{format_bytes(pred['memory_budget_bytes']) if pred.get('memory_budget_bytes') else 'none'})",
     ]
     off = plan.get("offload")
     if off:
@@ -45,9 +39,9 @@ def summary(plan: dict, top_edges: int = 5) -> str:
         zero_axes = ",".join(names[a] for a in off.get("mesh_axes", range(len(names))))
         lines.append(f"chunked state        {chunked} params in {off.get('num_chunks', '?')} chunks of "
                      f"{off['chunk_elems']} elements, ZeRO over {zero_axes}; device budget "
-                     f"{fmt_bytes(off['device_budget_bytes'])}, "
-                     f"working set {fmt_bytes(off.get('working_set_bytes', 0))}, host link "
-                     f"{fmt_bytes(off.get('moved_bytes', 0))}/step ({fmt_s(st.get('offload', 0.0))})")
+                     f"{format_bytes(off['device_budget_bytes'])}, "
+                     f"working set {format_bytes(off.get('working_set_bytes', 0))}, host link "
+                     f"{format_bytes(off.get('moved_bytes', 0))}/step ({fmt_s(st.get('offload', 0.0))})")
     counts = Counter((c.get("phase", "?"), c["op"], names[c["axis"]]) for c in pred["collectives"])
     lines.append(f"collectives per step {len(pred['collectives'])}")
     for (phase, op, axis), n in sorted(counts.items()):

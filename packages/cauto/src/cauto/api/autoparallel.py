@@ -21,10 +21,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from cauto.api.plan_cache import PlanCache
 from cauto.plan import dumps, parse
+from cauto.plan.options import PlanOptions
+from cauto.plan.units import ByteSizeError, parse_bytes
 from cauto.profiler import capture, profile
 from cauto.solver import plan as solve_plan
-from cauto.solver.cli import parse_bytes
 from cauto.solver.cluster import HardwareSpec, cluster_for_mesh
+from cauto.solver.errors import SolverError
+from cauto.solver.planning import plan_options as solver_plan_options
 
 
 def _as_meta(value):
@@ -60,13 +63,26 @@ def _mesh_of(mesh: DeviceMesh | Sequence[int] | str, axis_names: Sequence[str] |
 def _budget(memory_budget: int | str | None) -> int | None:
     if memory_budget is None or isinstance(memory_budget, int):
         return memory_budget
-    return parse_bytes(memory_budget)
+    try:
+        return parse_bytes(memory_budget)
+    except ByteSizeError as exc:
+        raise SolverError(str(exc)) from None
 
 
-def plan_for(fn: Callable, mesh_shape: Sequence[int], *, axis_names: Sequence[str] | None = None,
-             hardware: str | HardwareSpec = "cpu-gloo", memory_budget: int | str | None = None,
-             optimizer: str = "adamw", device: str = "cpu", checkpoint: str = "none", offload: str = "none",
-             offload_axes: Sequence[int] | None = None, cache: PlanCache | None = None, time_limit_s: float = 60.0, verbose: bool = False,
+def plan_options(*, memory_budget: int | str | None = None, checkpoint: str = "none", offload: str = "none",
+                 offload_axes: Sequence[int] | None = None, time_limit_s: float = 60.0) -> PlanOptions:
+    """The PlanOptions of the API's keyword arguments (``memory_budget`` in bytes or a size like "70GiB");
+    a bad one raises SolverError naming it."""
+    return solver_plan_options(memory_budget=_budget(memory_budget), checkpoint=checkpoint, offload=offload,
+                               offload_axes=None if offload_axes is None else tuple(offload_axes),
+                               time_limit_s=time_limit_s)
+
+
+def plan_for(fn: Callable, mesh_shape: Sequence[int], options: PlanOptions | None = None, *,
+             axis_names: Sequence[str] | None = None, hardware: str | HardwareSpec = "cpu-gloo",
+             memory_budget: int | str | None = None, optimizer: str = "adamw", device: str = "cpu",
+             checkpoint: str = "none", offload: str = "none", offload_axes: Sequence[int] | None = None,
+             cache: PlanCache | None = None, time_limit_s: float = 60.0, verbose: bool = False,
              progress: bool | Callable[[str, int, int], None] = False) -> dict:
     """Profile ``fn`` and solve a plan for ``mesh_shape`` (or take it from ``cache``); return the plan dict.
 
@@ -75,18 +91,17 @@ def plan_for(fn: Callable, mesh_shape: Sequence[int], *, axis_names: Sequence[st
     moved between device and host, only where no device-only plan fits the budget); "chunked"
     (always). ``offload_axes``: the mesh axes the chunks are ZeRO-sharded over, the others left to
     tensor parallelism (default: the solver tries every axis and each axis alone, fastest wins).
+    ``options``: a PlanOptions instead of the keywords ``memory_budget``, ``checkpoint``, ``offload``,
+    ``offload_axes`` and ``time_limit_s`` (``plan_options`` builds one from them).
     ``progress``: module docstring."""
     cluster = cluster_for_mesh(hardware, tuple(mesh_shape), tuple(axis_names) if axis_names else None)
-    budget = _budget(memory_budget)
+    if options is None:
+        options = plan_options(memory_budget=memory_budget, checkpoint=checkpoint, offload=offload,
+                               offload_axes=offload_axes, time_limit_s=time_limit_s)
     cap = capture(fn)
-    options = {"budget": budget, "optimizer": optimizer, "device": device, "checkpoint": checkpoint,
-               "mesh": list(mesh_shape), "axis_names": list(cluster.axis_names)}
-    if offload != "none":  # keys of plans cached before offload existed stay valid
-        options["offload"] = offload
-    if offload_axes is not None:
-        options["offload_axes"] = list(offload_axes)
-    axes = tuple(offload_axes) if offload_axes is not None else None
-    key = PlanCache.key(cap.fingerprint(), cluster.to_dict(), options)
+    key = PlanCache.key(cap.fingerprint(), cluster.to_dict(),
+                        {**options.to_dict(), "optimizer": optimizer, "device": device, "mesh": list(mesh_shape),
+                         "axis_names": list(cluster.axis_names)})
     if cache is not None and (cached := cache.get(key)) is not None:
         if verbose:
             print(f"cauto: plan from cache {cache.path(key)}")
@@ -97,14 +112,12 @@ def plan_for(fn: Callable, mesh_shape: Sequence[int], *, axis_names: Sequence[st
 
         with profile_bars() as bars:
             graph = profile(fn, optimizer=optimizer, device=device, cap=cap, progress=bars).to_graph()
-        with plan_bars(time_limit_s) as bars:
-            plan = solve_plan(graph, cluster, memory_budget=budget, checkpoint=checkpoint, time_limit_s=time_limit_s,
-                              progress=bars, offload=offload, offload_axes=axes)
+        with plan_bars(options.time_limit_s) as bars:
+            plan = solve_plan(graph, cluster, options, progress=bars)
     else:
         report = progress or None
         graph = profile(fn, optimizer=optimizer, device=device, cap=cap, progress=report).to_graph()
-        plan = solve_plan(graph, cluster, memory_budget=budget, checkpoint=checkpoint, time_limit_s=time_limit_s,
-                          progress=report, offload=offload, offload_axes=axes)
+        plan = solve_plan(graph, cluster, options, progress=report)
     if verbose:
         print(f"cauto: profiled and solved in {time.perf_counter() - start:.1f} s")
     if cache is not None:
@@ -130,7 +143,8 @@ def _share_plan(plan: dict | None) -> dict:
 
 
 def autoparallelize(model_fn: Callable[[], torch.nn.Module], example_inputs, mesh: DeviceMesh | Sequence[int] | str,
-                    *, memory_budget: int | str | None = None, checkpoint: str = "none", offload: str = "none",
+                    options: PlanOptions | None = None, *, memory_budget: int | str | None = None,
+                    checkpoint: str = "none", offload: str = "none",
                     offload_axes: Sequence[int] | None = None,
                     hardware: str | HardwareSpec | None = None, axis_names: Sequence[str] | None = None,
                     optimizer: str = "adamw", cache_dir: str | None = None, use_cache: bool = True,
@@ -154,6 +168,8 @@ def autoparallelize(model_fn: Callable[[], torch.nn.Module], example_inputs, mes
     ``model.optimizer``, which is also set (the factory's optimizer) for a device-only plan.
     ``compile=True``: the plan's local program (forward and backward graphs with explicit collectives)
     is compiled by inductor; refused for plans with chunked state.
+    ``options``: a cauto.plan.PlanOptions instead of ``memory_budget``, ``checkpoint``, ``offload`` and
+    ``offload_axes``.
     ``timeout_s``: the collective timeout of the default group and the mesh's groups (a rank that dies or
     stalls makes the others fail after it instead of hanging; None leaves torch's, 30 min on gloo).
     """
@@ -173,9 +189,10 @@ def autoparallelize(model_fn: Callable[[], torch.nn.Module], example_inputs, mes
     plan = None
     if not dist.is_initialized() or dist.get_rank() == 0:
         cache = PlanCache(cache_dir) if use_cache else None
-        plan = plan_for(fn, shape, axis_names=names, hardware=hardware, memory_budget=memory_budget,
-                        optimizer=optimizer, device=device, checkpoint=checkpoint, offload=offload,
-                        offload_axes=offload_axes, cache=cache,
-                        verbose=verbose, progress=progress)
+        if options is None:  # the keyword arguments: a front that builds the PlanOptions
+            options = plan_options(memory_budget=memory_budget, checkpoint=checkpoint, offload=offload,
+                                   offload_axes=offload_axes)
+        plan = plan_for(fn, shape, options, axis_names=names, hardware=hardware, optimizer=optimizer, device=device,
+                        cache=cache, verbose=verbose, progress=progress)
     plan = _share_plan(plan)
     return apply(fn, plan, mesh, state_dict=state_dict, seed=seed, optimizer=make_optimizer, compile=compile)

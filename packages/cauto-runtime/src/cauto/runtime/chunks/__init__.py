@@ -3,8 +3,11 @@
 Entry point: :func:`wrap`. See ``manager.py`` for the placement policy.
 """
 
-from .arena import Arena, BudgetError, TrafficCounter, parse_bytes
-from .chunk import Layout, ParamSlot, TensorState, build_layout, chunk_state, search_chunk_elems
+from cauto.plan.chunking import search_chunk_elems
+from cauto.plan.units import parse_bytes
+
+from .arena import Arena, BudgetError, TrafficCounter
+from .chunk import Layout, ParamSlot, TensorState, build_layout, chunk_state
 from .manager import ChunkManager
 from .model import ChunkedModel
 from .optim import ChunkedAdam

@@ -21,19 +21,6 @@ class BudgetError(RuntimeError):
     """Raised when chunks that must be on the device at once do not fit in the device arena."""
 
 
-def parse_bytes(size: int | str) -> int:
-    """Return a byte count from an int or a string such as ``"8GiB"``, ``"512MiB"``, ``"3MB"``."""
-    if isinstance(size, int):
-        return size
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
-             "gb": 10**9, "tb": 10**12, "b": 1}
-    text = size.strip().lower()
-    for unit, scale in units.items():
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * scale)
-    return int(float(text))
-
-
 def _align(nbytes: int) -> int:
     return (nbytes + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
 

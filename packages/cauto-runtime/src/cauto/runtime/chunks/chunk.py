@@ -4,7 +4,8 @@ Parameters are packed in registration order, one optimizer parameter group at a 
 of one fixed number of elements. The same layout serves every chunk list (compute-precision
 params, fp32 gradients, fp32 master params, Adam m and v), so the lists mirror each other: the
 element range of a parameter is the same in all of them. A parameter never spans two chunks.
-Offsets are aligned to 64 bytes so parameter views have the alignment of fresh allocations.
+Offsets are aligned to 64 bytes so parameter views have the alignment of fresh allocations. The
+packing arithmetic and the chunk-size search live in cauto.plan.chunking, shared with the solver.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-ALIGN_ELEMS = 16  # 64 bytes of fp32
+from cauto.plan.chunking import aligned_elems
 
 
 class TensorState(enum.Enum):
@@ -75,45 +76,6 @@ class Layout:
         return self.num_chunks * self.chunk_elems - sum(s.numel for s in self.slots)
 
 
-def _aligned(n: int) -> int:
-    return (n + ALIGN_ELEMS - 1) // ALIGN_ELEMS * ALIGN_ELEMS
-
-
-def _count_chunks(group_numels: list[list[int]], chunk_elems: int) -> int | None:
-    count = 0
-    for numels in group_numels:
-        used = None
-        for n in numels:
-            if n > chunk_elems:
-                return None
-            if used is None or used + n > chunk_elems:
-                count += 1
-                used = 0
-            used += _aligned(n)
-    return count
-
-
-def search_chunk_elems(group_numels: list[list[int]], world_size: int = 1, min_elems: int = 0,
-                       max_elems: int | None = None, step: int = 1024) -> int:
-    """Return the chunk size (elements) in ``[max(largest param, min_elems), max_elems]`` whose
-    layout wastes the fewest padding elements (chunk count padded to a multiple of world_size);
-    ties go to the smaller chunk, which pages at a finer grain."""
-    largest = max((n for numels in group_numels for n in numels), default=1)
-    lo = max(_aligned(largest), min_elems, ALIGN_ELEMS)
-    total = sum(n for numels in group_numels for n in numels)
-    hi = max(lo, max_elems if max_elems is not None else sum(_aligned(n) for ns in group_numels for n in ns))
-    best, best_waste = lo, None
-    size = lo
-    while size <= hi:
-        count = _count_chunks(group_numels, size)
-        count = -(-count // world_size) * world_size
-        waste = count * size - total
-        if best_waste is None or waste < best_waste:
-            best, best_waste = size, waste
-        size = (size // step + 1) * step
-    return best
-
-
 def build_layout(named_params: list[tuple[str, torch.nn.Parameter]], param_groups: list[list[int]],
                  chunk_elems: int, world_size: int = 1) -> Layout:
     """Pack parameters (indices into ``named_params`` per optimizer group, each in registration
@@ -132,7 +94,7 @@ def build_layout(named_params: list[tuple[str, torch.nn.Parameter]], param_group
                 chunk_group.append(g)
                 used = 0
             slots.append(ParamSlot(name, p, g, len(chunk_group) - 1, used, n, p.shape))
-            used += _aligned(n)
+            used += aligned_elems(n)
     while len(chunk_group) % world_size:
         chunk_group.append(-1)
     chunk_slots: list[list[ParamSlot]] = [[] for _ in chunk_group]

@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from cauto.plan import PlanDocument
+from cauto.plan.mesh_axes import data_parallel_axes as mesh_data_parallel_axes
 from cauto.profiler.capture import Capture
 from cauto.runtime import execute
 from cauto.runtime.chunks.data_parallel import (
@@ -50,7 +51,7 @@ from cauto.runtime.chunks.wrap import chunk_module
 
 def data_parallel_axes(plan: PlanDocument) -> list[int]:
     """The mesh axes the plan ZeRO-shards chunks over (``offload.mesh_axes``; all axes if absent)."""
-    return sorted((plan.offload or {}).get("mesh_axes", range(len(plan.mesh["shape"]))))
+    return list(mesh_data_parallel_axes(plan.mesh["shape"], (plan.offload or {}).get("mesh_axes")))
 
 
 def check_chunked_program(plan: PlanDocument, model: nn.Module) -> None:

@@ -25,8 +25,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .arena import parse_bytes
-from .chunk import build_layout, search_chunk_elems
+from cauto.plan.chunking import default_chunk_elems
+from cauto.plan.units import parse_bytes
+
+from .chunk import build_layout
 from .manager import ChunkManager
 from .model import ChunkedModel
 from .optim import ChunkedAdam
@@ -129,8 +131,7 @@ def chunk_module(module: nn.Module, optimizer=None, device_budget: int | str = "
     if chunk_elems is None:
         numels = [[named[i][1].numel() for i in m] for m in members]
         per_elem = compute_dtype.itemsize + 4  # a param chunk and its grad chunk
-        hi = min(sum(map(sum, numels)), max(budget // (8 * per_elem), 1))
-        chunk_elems = search_chunk_elems(numels, world_size, max_elems=hi, step=max(1024, hi // 2000))
+        chunk_elems = default_chunk_elems(numels, world_size, budget, per_elem)
     layout = build_layout(named, members, chunk_elems, world_size)
     manager = ChunkManager(layout, compute_dtype, device, budget, int(budget * warmup_arena_fraction),
                            process_group, policy, average_grads)

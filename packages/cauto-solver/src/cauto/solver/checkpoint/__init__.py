@@ -4,8 +4,9 @@
 * schedule.py, simulate.py: schedules as nested levels; the simulator that judges time and peak.
 * rotor.py: the optimal DP (Beaumont et al. 2019); chen.py: the √n baseline.
 * api.py: ``plan_checkpoint`` (the plan's ``checkpoint`` section) and ``summary_lines`` for the CLI.
-* joint.py: one budget shared by sharding and checkpointing, searched over their split; wiring to
-  the sharding ILP (``ilp_sharding``) and to its plans (``attach_checkpoint``).
+* joint.py: one budget shared by sharding and checkpointing, searched over their split, given the
+  sharding solver as a callback (``cauto.solver.planning.ilp_sharding`` wraps the ILP: this package
+  never imports the solver that calls it); ``attach_checkpoint`` adds the section to a plan.
 """
 
 from cauto.solver.checkpoint.api import (
@@ -21,7 +22,6 @@ from cauto.solver.checkpoint.joint import (
     JointResult,
     ShardingResult,
     attach_checkpoint,
-    ilp_sharding,
     joint_plan,
     sharding_result_from_plan,
     solve_joint,
@@ -33,6 +33,6 @@ from cauto.solver.checkpoint.simulate import simulate
 __all__ = [
     "Chain", "CheckpointChoice", "CheckpointInfeasibleError", "JointResult", "ShardingResult", "attach_checkpoint",
     "build_chain",
-    "checkpoint_section", "choose_schedule", "ilp_sharding", "joint_plan", "least_memory", "plan_checkpoint",
+    "checkpoint_section", "choose_schedule", "joint_plan", "least_memory", "plan_checkpoint",
     "sharding_result_from_plan", "simulate", "solve_joint", "solve_rotor", "summary_lines",
 ]

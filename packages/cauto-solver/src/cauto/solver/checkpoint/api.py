@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cauto.plan import units
 from cauto.solver.checkpoint.chain import Chain
 from cauto.solver.checkpoint.chen import chen_grid, solve_chen
 from cauto.solver.checkpoint.linearize import DEFAULT_MAX_STAGES, ShardScale, build_chain
@@ -51,11 +52,9 @@ class CheckpointInfeasibleError(SolverError):
 
 
 def format_bytes(n: float) -> str:
-    """Bytes as text with a binary unit ("1.5 MiB"), or plain bytes below 1 KiB."""
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} bytes"
+    """Bytes in the checkpoint messages' style (cauto.plan.units.format_bytes with one decimal, and
+    "bytes" below 1 KiB): "1.5 MiB"."""
+    return units.format_bytes(n, digits=1, plain_unit="bytes")
 
 
 @dataclass(frozen=True)

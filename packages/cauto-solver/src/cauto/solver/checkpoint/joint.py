@@ -21,8 +21,9 @@ rotor on the rest), so the joint answer is never slower than either at any budge
 feasible wherever one of the splits it tries is, including budgets where both baselines fail.
 
 Interface with the sharding solver: ``solve_sharding(memory_budget_bytes | None) -> ShardingResult
-| None`` (None budget: no memory limit; None result: nothing fits). ``ilp_sharding(graph_doc,
-cluster)`` wraps the real ILP (``cauto.solver.solve``) that way, so the whole joint plan is::
+| None`` (None budget: no memory limit; None result: nothing fits). ``cauto.solver.planning.
+ilp_sharding(graph_doc, cluster)`` wraps the real ILP (``cauto.solver.solve``) that way (this package
+does not import the solver that calls it), so the whole joint plan is::
 
     result = joint_plan(graph_doc, memory_budget_bytes, ilp_sharding(graph_doc, cluster),
                         device=device_dict(cluster))
@@ -56,7 +57,7 @@ from cauto.solver.checkpoint.rotor import DEFAULT_SLOTS, least_memory
 from cauto.solver.errors import SolverError
 
 UNLIMITED_BYTES = 1 << 50
-"""The budget ilp_sharding passes for "no memory limit" (cauto.solver.solve reads None as the device's memory)."""
+"""The budget planning.ilp_sharding passes for "no memory limit" (cauto.solver.solve reads None as the device's memory)."""
 
 DEFAULT_FIXED_FACTOR = 2.0
 """The fixed-split baseline plans sharding for 2·M ("checkpointing will halve the activations")."""
@@ -270,23 +271,6 @@ def joint_plan(graph_doc: dict, memory_budget_bytes: int, solve_sharding: SolveS
         return cache[key][1]
 
     return solve_joint(memory_budget_bytes, solve_sharding, chain_for, **kwargs)
-
-
-def ilp_sharding(graph_doc: dict, cluster, **solve_kwargs) -> SolveSharding:
-    """The sharding ILP (``cauto.solver.solve`` on ``cluster``) as a SolveSharding callback."""
-    # imported here: solve.py may itself import the checkpoint package
-    from cauto.solver.errors import InfeasibleBudgetError
-    from cauto.solver.solve import solve
-
-    def solve_sharding(budget: int | None) -> ShardingResult | None:
-        try:
-            plan = solve(graph_doc, cluster, memory_budget=UNLIMITED_BYTES if budget is None else budget,
-                         **solve_kwargs)
-        except InfeasibleBudgetError:
-            return None
-        return sharding_result_from_plan(plan)
-
-    return solve_sharding
 
 
 def device_dict(cluster) -> dict:

@@ -1,0 +1,81 @@
+"""PlanOptions: everything planning takes besides the graph and the cluster, in one checked value.
+
+The API (``cauto.api.autoparallelize`` / ``plan_for``), the ``cauto-solve`` command and the solver's
+entry (``cauto.solver.plan``) all take it whole. It is torch-free and frozen: build it once, where
+the user's choices come in; ``dataclasses.replace`` derives a variant.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+Checkpoint = Literal["none", "auto", "rotor", "chen"]
+Offload = Literal["none", "auto", "chunked"]
+Solver = Literal["cbc", "highs"]
+CHECKPOINT_METHODS: tuple[str, ...] = get_args(Checkpoint)
+OFFLOAD_MODES: tuple[str, ...] = get_args(Offload)
+SOLVERS: tuple[str, ...] = get_args(Solver)
+
+
+class OptionsError(ValueError):
+    """A planning option out of range; the message names the option and what it may be."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanOptions:
+    """The choices of one planning run (each field below)."""
+
+    memory_budget_bytes: int | None = None
+    """Bytes per device that model state and activations must fit in; None: the device's memory
+    (resolved by the solver from the cluster, in one place: ``cauto.solver.planning.budget_bytes``)."""
+    checkpoint: Checkpoint = "none"
+    """Activation checkpointing: "none" (every activation stored), or solved jointly with the sharding:
+    "auto" (rotor or Chen, whichever is faster, or none), "rotor", "chen"."""
+    offload: Offload = "none"
+    """Model state in chunks moved between device and host: "none"; "auto" (only where no device-only
+    plan fits); "chunked" (always; needs ``checkpoint="none"``)."""
+    offload_axes: tuple[int, ...] | None = None
+    """The mesh axes chunked state is ZeRO-sharded over, the others left to tensor parallelism; None:
+    every axis and each axis alone are tried, the fastest plan wins. Needs ``offload``."""
+    solver: Solver = "cbc"
+    """The ILP solver: "cbc" or "highs"."""
+    time_limit_s: float = 60.0
+    """Wall-clock limit of each ILP solve, seconds."""
+
+    def __post_init__(self):
+        budget = self.memory_budget_bytes
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, numbers.Integral)
+                                   or budget <= 0):
+            raise OptionsError(f"memory budget {budget!r} is not a positive number of bytes; give a size such as "
+                               "70GiB (or 75161927680), or none for the device's memory")
+        if self.checkpoint not in CHECKPOINT_METHODS:
+            raise OptionsError(f"checkpoint method {self.checkpoint!r} is not one of {', '.join(CHECKPOINT_METHODS)}")
+        if self.offload not in OFFLOAD_MODES:
+            raise OptionsError(f"offload {self.offload!r} is not one of {', '.join(OFFLOAD_MODES)}")
+        if self.offload == "chunked" and self.checkpoint != "none":
+            raise OptionsError("offload='chunked' does not combine with activation checkpointing yet; use "
+                               "checkpoint='none', or offload='auto' (chunked state only where no checkpointed "
+                               "plan fits)")
+        if self.offload_axes is not None:
+            if self.offload == "none":
+                raise OptionsError("offload axes name the axes chunked state is ZeRO-sharded over: they need offload "
+                                   "'auto' or 'chunked'")
+            object.__setattr__(self, "offload_axes", tuple(self.offload_axes))
+        if self.solver not in SOLVERS:
+            raise OptionsError(f"unknown solver {self.solver!r}; use one of {SOLVERS}")
+        if isinstance(self.time_limit_s, bool) or not isinstance(self.time_limit_s, numbers.Real) \
+                or not self.time_limit_s >= 0:
+            raise OptionsError(f"time_limit_s {self.time_limit_s!r} is not a number of seconds (0 or more)")
+
+    def to_dict(self) -> dict:
+        """The options as the plan cache keys them: budget and checkpoint always; offload and its axes
+        only when set, so that keys of plans cached before offload existed stay valid. The solver and
+        its time limit are not part of the key (a cached plan is reused whichever solver found it)."""
+        out: dict = {"budget": self.memory_budget_bytes, "checkpoint": self.checkpoint}
+        if self.offload != "none":
+            out["offload"] = self.offload
+        if self.offload_axes is not None:
+            out["offload_axes"] = list(self.offload_axes)
+        return out

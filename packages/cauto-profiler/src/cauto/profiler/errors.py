@@ -1,0 +1,12 @@
+"""The profiler's errors: a model that cannot be captured."""
+
+from __future__ import annotations
+
+
+class CaptureError(RuntimeError):
+    """The model could not be captured; the message says why and what to do."""
+
+
+class CustomFunctionError(CaptureError):
+    """The model calls a custom ``torch.autograd.Function``, which capture cannot keep (see
+    :func:`cauto.profiler.capture.refuse_autograd_functions`)."""
