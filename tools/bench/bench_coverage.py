@@ -324,7 +324,7 @@ def parity(name: str, plans: dict, timeout: float = 600.0) -> dict:
             rows[key] = {"error": lines[-1][:160], "trace": r["error"]}
         else:
             rows[key] = {"rel": max(d / abs(r["loss"]) for d in r["loss_diffs"]) if r["loss"] else max(r["loss_diffs"]),
-                         "loss_diffs": r["loss_diffs"], "loss": r["loss"]}
+                         "loss_diffs": r["loss_diffs"], "loss": r["loss"], "grad_diff": r["grad_diff"]}
     return rows
 
 
@@ -357,19 +357,20 @@ def _worker(argv: list[str]) -> None:
     dist.destroy_process_group()
 
 
-def _child(name: str, fraction: float, out: str) -> None:
+def _child(name: str, fraction: float, time_limit_s: float, out: str) -> None:
     torch.set_num_threads(1)
-    r = profile_and_plan(name, fraction)
+    r = profile_and_plan(name, fraction, time_limit_s=time_limit_s)
     Path(out).write_text(json.dumps(r))
 
 
-def run_model(name: str, fraction: float, do_parity: bool, timeout: float) -> dict:
+def run_model(name: str, fraction: float, do_parity: bool, timeout: float, time_limit_s: float = 20.0) -> dict:
     """One row: profile and plans in a fresh process (timeout), then parity per planned mesh."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
         t = time.perf_counter()
         try:
-            p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", name, str(fraction), str(out)],
+            p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", name, str(fraction),
+                                str(time_limit_s), str(out)],
                                env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
                                capture_output=True, text=True, timeout=timeout)
             r = json.loads(out.read_text()) if out.exists() else {
@@ -418,10 +419,11 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         return _worker(sys.argv[2:])
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        return _child(sys.argv[2], float(sys.argv[3]), sys.argv[4])
+        return _child(sys.argv[2], float(sys.argv[3]), float(sys.argv[4]), sys.argv[5])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default=None, help="comma-separated model names (default: all)")
     ap.add_argument("--fraction", type=float, default=0.6, help="budget as a fraction of the unsharded peak")
+    ap.add_argument("--time-limit", type=float, default=20.0, help="the solver's time limit per plan (s)")
     ap.add_argument("--no-parity", action="store_true", help="skip the 4-rank runs")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per process group (profile, each parity)")
     ap.add_argument("--json", default=None, help="also dump the rows here")
@@ -435,7 +437,7 @@ def main() -> None:
         rows = json.loads(Path(args.from_json).read_text())
         names = []
     for name in names:
-        rows[name] = run_model(name, args.fraction, not args.no_parity, args.timeout)
+        rows[name] = run_model(name, args.fraction, not args.no_parity, args.timeout, args.time_limit)
         r = rows[name]
         print(f"{name}: profile {r['profile']} ({r.get('profile_s', 0):.1f} s) error {_pct(r.get('error_pct'))} "
               f"plan {r['plan']} parity {[(k, v.get('rel', v.get('error'))) for k, v in r['parity'].items()]} "
