@@ -230,10 +230,13 @@ MODELS = {
 MESHES = {"4": (4,), "2x2": (2, 2)}
 
 
+CELL = 320  # characters of an error a cell shows (enough for the op, the module path and the way out)
+
+
 def one_line(exc: BaseException) -> str:
     """The error's type and first line, the cell a failure gets (table-safe)."""
     first = (str(exc).strip().splitlines() or [""])[0]
-    return f"{type(exc).__name__}: {first}"[:160].replace("|", "\\|")
+    return f"{type(exc).__name__}: {first}"[:CELL].replace("|", "\\|")
 
 
 def profile_and_plan(name: str, fraction: float = 0.6, meshes=("4", "2x2"), eager: bool = True,
@@ -321,7 +324,7 @@ def parity(name: str, plans: dict, timeout: float = 600.0) -> dict:
         r = results.get(key, {"error": "not run"})
         if "error" in r:
             lines = [ln for ln in r["error"].splitlines() if ln.strip()]
-            rows[key] = {"error": lines[-1][:160], "trace": r["error"]}
+            rows[key] = {"error": lines[-1][:CELL], "trace": r["error"]}
         else:
             rows[key] = {"rel": max(d / abs(r["loss"]) for d in r["loss_diffs"]) if r["loss"] else max(r["loss_diffs"]),
                          "loss_diffs": r["loss_diffs"], "loss": r["loss"], "grad_diff": r["grad_diff"]}
@@ -398,6 +401,15 @@ def _parity_cell(row, key):
     return f"{p['rel']:.1e}{flag}"
 
 
+def _profile_cell(r):
+    """"ok", or the error's whole last line (the exception as raised) from the stored trace."""
+    if r["profile"] == "ok" or "trace" not in r:
+        return r["profile"]
+    lines = [ln for ln in r["trace"].splitlines() if ln.strip()]
+    kind, _, message = lines[-1].partition(": ")
+    return f"{kind.rsplit('.', 1)[-1]}: {message}"[:CELL].replace("|", "\\|")
+
+
 def table(rows: dict) -> str:
     head = ("| model | kind | profile | s | profiler peak | eager peak | error | plan 4 | plan 2x2 | parity 4 | "
             "parity 2x2 |\n|---|---|---|---:|---:|---:|---:|---|---|---|---|")
@@ -409,7 +421,7 @@ def table(rows: dict) -> str:
     for name, r in rows.items():
         err = r.get("error_pct")
         err_cell = r.get("eager_error", _pct(err)) if err is None else (f"**{_pct(err)}**" if abs(err) > 0.1 else _pct(err))
-        lines.append(f"| {name} | {MODELS[name][1]} | {r['profile']} | {r.get('profile_s', 0):.1f} | {kib(r.get('peak'))} | "
+        lines.append(f"| {name} | {MODELS[name][1]} | {_profile_cell(r)} | {r.get('profile_s', 0):.1f} | {kib(r.get('peak'))} | "
                      f"{kib(r.get('eager_peak'))} | {err_cell} | {r['plan'].get('4', '—')} | "
                      f"{r['plan'].get('2x2', '—')} | {_parity_cell(r, '4')} | {_parity_cell(r, '2x2')} |")
     return "\n".join(lines)
