@@ -498,6 +498,9 @@ Findings (2 CPU cores shared with three other sessions, load 7-13: the seconds a
   session; their rows are a rerun after the fixes (1.0e-7 and 6.5e-8 on both meshes; Whisper on 2x2
   also trains, where issue 18 saw a view error at another budget). integration_tests/
   test_coverage_subset.py trains ALBERT on 4 ranks.
+* **Swin on 2x2 plans but does not run:** the local program refuses the plan at `adaptive_avg_pool1d`
+  (module `swin.pooler`, planned [R,S(0)]): DTensor has no sharding rule for `aten.as_strided_`, so
+  the solver offers a placement the runtime cannot execute there.
 * **Swin on mesh 4 under 60%:** no plan fits (the least memory plan needs 1.69 MiB of 1.39 MiB:
   activations dominate at batch 4), refused with the reason; on 2x2 it plans. ConvNeXt's mesh-4 plan
   at 60% keeps the parameters replicated (splitting the batch fits).
