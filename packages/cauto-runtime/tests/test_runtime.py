@@ -263,3 +263,54 @@ def test_torchrun_launch_and_failing_ranks(tmp_path):
     failed = torchrun(bad)
     assert failed.returncode != 0
     assert "world size" in failed.stderr
+
+
+class _Head(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.dense = torch.nn.Linear(8, 8)
+        self.bias = torch.nn.Parameter(torch.zeros(8))
+
+    def forward(self, x):
+        return self.dense(x) + self.bias
+
+
+class _NamedLikeUs(torch.nn.Module):
+    """Submodules named as ParallelModule's properties and methods (ALBERT's MLM head is ``predictions``)."""
+
+    def __init__(self, held: str | None = None):
+        super().__init__()
+        self.predictions = _Head()
+        self.save = torch.nn.Linear(8, 8)
+        if held:
+            self.add_module(held, torch.nn.Identity())
+
+    def forward(self, x):
+        return self.save(self.predictions(x)).pow(2).mean()
+
+
+def test_users_names_win_over_the_parallel_modules():
+    """A submodule named ``predictions`` or ``save`` is the user's on the parallel module (before: ALBERT
+    failed, "'predictions' is not an nn.Module"); ours stay on the class. A top-level name the runtime
+    holds (``plan``, ``mesh`` ...) is refused by name."""
+    from cauto.profiler import capture
+    from cauto.runtime.apply import ParallelModule, apply
+    from cauto.runtime.dist_utils import make_mesh
+    from cauto.runtime.handplan import make_plan
+
+    def fn(held=None):
+        torch.manual_seed(0)
+        return _NamedLikeUs(held), (torch.randn(4, 8),)
+
+    fake_world(2)
+    mesh = make_mesh((2,), ["dp"])
+    cap = capture(fn)
+    plan = make_plan(cap, mesh, inputs="S(0)", params="R")
+    module = apply(fn, plan, mesh, captured=cap)
+    assert isinstance(module, ParallelModule)
+    assert isinstance(module.predictions, _Head) and isinstance(module.save, torch.nn.Linear)
+    assert module.get_parameter("predictions.bias") is module.predictions.bias
+    assert ParallelModule.predictions.fget(module) == plan["predictions"]
+    assert module(torch.randn(4, 8)).dim() == 0
+    with pytest.raises(ValueError, match="top-level 'plan'.*rename it"):
+        apply(lambda: fn("plan"), plan, mesh)

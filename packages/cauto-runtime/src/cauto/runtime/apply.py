@@ -37,6 +37,51 @@ from cauto.runtime.lowering import LocalProgram
 from cauto.runtime.materialize import build_skeleton, materialize
 from cauto.runtime.propagate import propagate
 
+#: ParallelModule's attributes held in its __dict__: a user's submodule, parameter or buffer of one of
+#: these names cannot be kept at the top level (the runtime reads them); refused by name (_refuse_held_names)
+_HELD = ("plan", "mesh", "capture", "executable", "chunked", "lowered", "optimizer", "grad_sync")
+#: ParallelModule's properties and methods: a user's name among these wins (_yield_names), as ALBERT's
+#: ``predictions`` head does; ours stay reachable as ``ParallelModule.<name>`` (e.g. ``.fget(module)``)
+_YIELDING = ("predictions", "generated_code", "manager", "input_slices", "save", "load")
+
+
+def _top_level_names(model: nn.Module) -> set[str]:
+    return set(model._modules) | set(model._parameters) | set(model._buffers)
+
+
+def _refuse_held_names(model: nn.Module) -> None:
+    taken = sorted(_top_level_names(model) & set(_HELD))
+    if taken:
+        raise ValueError(f"the model's top-level {', '.join(repr(t) for t in taken)} (a submodule, parameter or "
+                         f"buffer of {type(model).__name__}) has the name of an attribute of cauto's parallel "
+                         f"module ({', '.join(_HELD)}); rename it in the model, or wrap the model in a module "
+                         "that holds it under another name")
+
+
+class _UsersName:
+    """A class attribute of a per-model subclass of ParallelModule: the user's submodule, parameter or
+    buffer of this name, where ParallelModule has a property or method of the same name."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, obj, cls=None):
+        if obj is None:
+            return self
+        for table in ("_parameters", "_buffers", "_modules"):
+            held = obj.__dict__[table]
+            if self.name in held:
+                return held[self.name]
+        raise AttributeError(self.name)
+
+
+def _yield_names(module: ParallelModule, model: nn.Module) -> None:
+    """Switch ``module`` to a subclass where each of ``model``'s top-level names that is one of
+    ParallelModule's properties or methods means the user's object."""
+    taken = sorted(_top_level_names(model) & set(_YIELDING))
+    if taken:
+        module.__class__ = type(type(module).__name__, (type(module),), {t: _UsersName(t) for t in taken})
+
 
 class ParallelModule(nn.Module):
     """The model on this rank: DTensor parameters placed as planned, and the parallel forward.
@@ -57,6 +102,8 @@ class ParallelModule(nn.Module):
                  executable: execute.ExecutableGraph, bucket_bytes: int, chunked=None, shards=None,
                  lowered: LocalProgram | None = None):
         super().__init__()
+        _refuse_held_names(model)
+        _yield_names(self, model)  # before the children are added: add_module refuses a name the class has
         for name, child in model.named_children():
             self.add_module(name, child)
         for name, p in model._parameters.items():
@@ -84,6 +131,17 @@ class ParallelModule(nn.Module):
         if lowered is not None:
             lowered.bucket_bytes = bucket_bytes
             self.grad_sync.in_graph = lowered.grad_buckets
+
+    def get_submodule(self, target: str) -> nn.Module:
+        """The user's submodule at ``target``, found in the module tree, never an attribute of this class:
+        a name of the user's model that is also one of ours (ALBERT's ``predictions``) is the user's.
+        ``get_parameter`` and ``get_buffer`` look up through this."""
+        module: nn.Module = self
+        for item in target.split(".") if target else ():
+            if item not in module._modules:
+                raise AttributeError(f"{module._get_name()} has no submodule {item!r} (looking up {target!r})")
+            module = module._modules[item]
+        return module
 
     def _lookup(self, node):
         kind, fqn = self.capture.placeholders[node.name]
