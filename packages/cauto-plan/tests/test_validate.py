@@ -111,6 +111,10 @@ def test_world_size_must_fill_the_mesh(plan):
     check_world_size(plan, 2)
     with pytest.raises(MismatchError, match="mesh 2 needs 2 processes, but the job has 4; run with --nproc 2"):
         check_world_size(plan, 4)
+    with pytest.raises(MismatchError, match="run with --nproc 1 on each of the 2 hosts"):
+        check_world_size(plan, 4, hosts=2)
+    with pytest.raises(MismatchError, match="2 processes do not split evenly over 3 hosts: change --nnodes"):
+        check_world_size(plan, 3, hosts=3)
 
 
 def test_every_load_runs_the_semantic_checks(tmp_path, graph):

@@ -251,10 +251,16 @@ def check_plan_against_graph(plan: dict, graph_nodes: list[dict], graph_fingerpr
                                     expected="ids of the graph's nodes")
 
 
-def check_world_size(plan: dict, world_size: int) -> None:
-    """Raise MismatchError unless ``world_size`` processes fill the plan's mesh."""
+def check_world_size(plan: dict, world_size: int, hosts: int = 1) -> None:
+    """Raise MismatchError unless ``world_size`` processes (over ``hosts`` hosts) fill the plan's mesh."""
     shape = plan["mesh"]["shape"]
-    if math.prod(shape) != world_size:
-        raise MismatchError(f"the plan's mesh {'x'.join(map(str, shape))} needs {math.prod(shape)} processes, but the "
-                            f"job has {world_size}; run with --nproc {math.prod(shape)} (per host: the mesh size divided "
-                            "by the hosts), or solve a plan for this world size (cauto plan --mesh ...)")
+    need = math.prod(shape)
+    if need != world_size:
+        if hosts == 1:
+            fix = f"run with --nproc {need}"
+        elif need % hosts == 0:
+            fix = f"run with --nproc {need // hosts} on each of the {hosts} hosts"
+        else:
+            fix = f"{need} processes do not split evenly over {hosts} hosts: change --nnodes"
+        raise MismatchError(f"the plan's mesh {'x'.join(map(str, shape))} needs {need} processes, but the job has "
+                            f"{world_size}; {fix}, or solve a plan for this world size (cauto plan --mesh ...)")

@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             opt.step()
             opt.zero_grad()
             if rank == 0:  # `cauto run` draws its step bar from this line (cauto.cli.run.STEP_LINE)
-                print(f"step {step + 1}/{args.steps} loss {loss.item():.5f} time {time.perf_counter() - start:.3f} s", flush=True)
+                print(f"step {step + 1}/{args.steps} loss {loss.item():.9g} time {time.perf_counter() - start:.3f} s", flush=True)
             if args.save_dir and args.save_every and (step + 1) % args.save_every == 0:
                 beat.enter("save", step + 1)
                 model.save(args.save_dir, step + 1)

@@ -13,6 +13,7 @@ is ever left behind (cauto.plan.dump writes atomically, and only after solving).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -28,7 +29,7 @@ from cauto.plan import (
 )
 from cauto.plan.options import CHECKPOINT_METHODS, OFFLOAD_MODES, SOLVERS
 from cauto.plan.units import ByteSizeError, parse_bytes
-from cauto.solver.cluster import PRESETS, cluster_for_mesh, parse_mesh
+from cauto.solver.cluster import PRESETS, cluster_for_mesh, load_hardware, parse_mesh
 from cauto.solver.errors import InfeasibleBudgetError, SolverError
 from cauto.solver.summary import explain, summary
 
@@ -67,6 +68,9 @@ def _solve_parser() -> argparse.ArgumentParser:
     p.add_argument("--axis-names", help="comma-separated mesh axis names (default dp / dp,tp / a0,dp,tp)")
     p.add_argument("--cluster", default="cpu-gloo",
                    help=f"preset ({', '.join(sorted(PRESETS))}) or spec file from tools/calibrate.py")
+    p.add_argument("--devices-per-node", type=int,
+                   help="devices (ranks) per host, overriding the cluster's: mesh axes laid out row-major that span "
+                        "more than one host are priced with the inter-node link (for `cauto run --nnodes`)")
     p.add_argument("--memory", help="per-device memory budget, e.g. 70GiB (default: the device's memory)")
     p.add_argument("--checkpoint", default="none", choices=list(CHECKPOINT_METHODS),
                    help="activation checkpointing: none, or solved jointly with sharding (auto picks rotor or chen)")
@@ -112,7 +116,12 @@ def main(argv: list[str] | None = None, progress=None) -> int:
         check_output(args.output, replace_symlink=args.replace_symlink)  # before solving, not after
         shape = parse_mesh(args.mesh)
         names = tuple(s.strip() for s in args.axis_names.split(",")) if args.axis_names else None
-        cluster = cluster_for_mesh(args.cluster, shape, names)
+        hardware = load_hardware(args.cluster)
+        if args.devices_per_node is not None:
+            if args.devices_per_node < 1:
+                raise SolverError(f"--devices-per-node {args.devices_per_node} must be at least 1")
+            hardware = dataclasses.replace(hardware, devices_per_node=args.devices_per_node)
+        cluster = cluster_for_mesh(hardware, shape, names)
         budget = budget_bytes(args.memory) if args.memory is not None else None  # '' is a bad size, not the default
         offload_axes = parse_axes(args.offload_axes, cluster.axis_names) if args.offload_axes is not None else None
         graph = load_graph(args.graph)

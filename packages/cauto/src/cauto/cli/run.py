@@ -2,10 +2,20 @@
 
     cauto run TARGET --plan plan.json --nproc 4 [--steps 3] [--verify] [--timeout-s 120]
               [--accumulate K] [--max-norm X] [--save-every N --save-dir DIR] [--resume DIR]
-              [-- <extra torchrun flags>]
+              [--nnodes N --node-rank R --rdzv-endpoint HOST:PORT [--rdzv-backend c10d|static]
+               [--rdzv-timeout-s 300]] [-- <extra torchrun flags>]
 
-Multi-host jobs pass torchrun's own flags after `--` (``--nnodes 2 --node-rank 0
---rdzv-endpoint host:port``); everything else is what ``python -m cauto.runtime.launch`` takes.
+More than one host: run the same command on every host with ``--nnodes`` (the number of hosts),
+``--rdzv-endpoint`` (host:port of the rendezvous, reachable from every host; the first host's
+address, any free port) and, for the static backend, each host's ``--node-rank``. Each host runs
+``--nproc`` ranks; the world is ``nproc * nnodes`` ranks, numbered host by host, so the plan's mesh
+is laid out row-major over hosts: the outer mesh axis is the one that crosses hosts. Solve the plan
+with a cluster spec whose ``devices_per_node`` is ``--nproc`` so the solver prices that axis with
+the inter-node link; `cauto run` prints a note when an axis the plan priced as intra-node crosses
+hosts. The job starts when every host has joined; a host that has not joined within
+``--rdzv-timeout-s`` ends the job on the others with one line that says how many hosts were expected
+and where. Other torchrun flags pass through after ``--``; everything else is what
+``python -m cauto.runtime.launch`` takes.
 
 Training progress: rank 0 of the launcher prints ``step k/K loss L time T s`` (only rank 0
 prints). On a terminal those lines become one redrawn bar with the loss and seconds per step;
@@ -40,8 +50,9 @@ import tempfile
 from pathlib import Path
 
 from cauto.cli.progress import PhaseBars, is_milestone, is_tty
-from cauto.cli.watchdog import EXIT_STALLED, Watchdog
-from cauto.runtime.heartbeat import ENV_DIR
+from cauto.cli.hosts import Hosts, HostsError, RendezvousFilter, hosts_note
+from cauto.cli.watchdog import EXIT_STALLED, STARTUP_S, Watchdog
+from cauto.runtime.heartbeat import ENV_DIR, read_heartbeats
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -63,22 +74,31 @@ def torchrun_command(target: str, plan: str, nproc: int, steps: int, verify: boo
 
 
 def run_torchrun(cmd: list[str], env: dict | None = None, stream=None, *, nproc: int | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
+                 timeout_s: float = DEFAULT_TIMEOUT_S, hosts: Hosts | None = None) -> int:
     """Run ``cmd`` (a torchrun command line of ``nproc`` local ranks) under the watchdog, showing its
-    step lines as progress; return its exit code (EXIT_STALLED when the watchdog ended it)."""
+    step lines as progress; return its exit code (EXIT_STALLED when the watchdog ended it). With
+    ``hosts`` (a multi-host job) the watchdog also allows the rendezvous its timeout before the ranks
+    start, and a rendezvous that times out ends in one line (hosts.py) instead of torchrun's traceback."""
     stream = stream or sys.stdout
     with tempfile.TemporaryDirectory(prefix="cauto-heartbeats-") as beats:
         if nproc is None:  # the ranks whose first heartbeat the watchdog awaits (none for another command)
             nproc = int(cmd[cmd.index("--nproc-per-node") + 1]) if "--nproc-per-node" in cmd else 0
-        watchdog = Watchdog(beats, nproc, timeout_s)
+        watchdog = Watchdog(beats, nproc, timeout_s,
+                            startup_s=STARTUP_S + (hosts.rendezvous_timeout_s if hosts is not None else 0.0))
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1,
+                                stderr=subprocess.PIPE if hosts is not None else None,
                                 env={**(os.environ if env is None else env), ENV_DIR: beats})
+        errors = RendezvousFilter(proc.stderr, sys.stderr) if hosts is not None else None
         watchdog.watch(proc, sys.stderr)
         rc = _follow(proc, stream)
         watchdog.stop()
+        if errors is not None:
+            errors.join()
         if watchdog.stall is not None:
             return EXIT_STALLED
-        if rc not in (0, 130):
+        if errors is not None and errors.rendezvous_failed and not read_heartbeats(beats):
+            print(hosts.missing_line(errors.rendezvous_failed), file=sys.stderr, flush=True)
+        elif rc not in (0, 130):
             print(watchdog.verdict(rc), file=sys.stderr, flush=True)
         return rc
 
@@ -117,7 +137,7 @@ def _world_size(nproc: int, extra: list[str]) -> int | None:
 
 
 def check_launch(target: str, plan_path: str, world_size: int | None, sizes: dict,
-                 resume: str | None = None) -> str | None:
+                 resume: str | None = None, hosts: int = 1) -> str | None:
     """Everything a rank would check, done once here: the plan's document, its mesh against the world
     size, the plan against the model's capture, and the checkpoint to resume from (complete, this
     model's). Return the error line, or None when all is well."""
@@ -127,7 +147,7 @@ def check_launch(target: str, plan_path: str, world_size: int | None, sizes: dic
     try:
         plan = load(plan_path, "plan")
         if world_size is not None:
-            check_world_size(plan, world_size)
+            check_world_size(plan, world_size, hosts)
         from cauto.profiler.capture import CaptureError, capture
         from cauto.profiler.target import UsageError, bind_sizes, load_target
 
@@ -176,6 +196,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", help="resume from the latest complete checkpoint in this folder")
     parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
                         help="collective timeout, and how long a rank may stall before the job is ended (default 120)")
+    parser.add_argument("--nnodes", type=int, default=1, help="hosts in the job; run this command on each (default 1)")
+    parser.add_argument("--node-rank", type=int, help="this host's index 0..nnodes-1 (static rendezvous only; "
+                        "c10d numbers the hosts as they join)")
+    parser.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous, the same on every host (the first "
+                        "host's address and a free port); needed with --nnodes > 1")
+    parser.add_argument("--rdzv-backend", choices=("c10d", "static"), default="c10d",
+                        help="torchrun's rendezvous (default c10d)")
+    parser.add_argument("--rdzv-timeout-s", type=float, default=300.0,
+                        help="how long the hosts wait for each other to join before the job ends (default 300)")
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
@@ -193,8 +222,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.save_every < 0 or bool(args.save_every) != bool(args.save_dir):
         print("cauto run: --save-every N (N >= 1) and --save-dir DIR go together", file=sys.stderr)
         return 2
+    try:
+        hosts = Hosts.from_args(args, extra)
+    except HostsError as exc:
+        print(f"cauto run: {exc}", file=sys.stderr)
+        return 2
+    if hosts is not None:
+        extra = hosts.torchrun_flags() + extra
     problem = check_launch(args.target, args.plan, _world_size(args.nproc, extra),
-                           {"batch": args.batch, "seq": args.seq}, args.resume)
+                           {"batch": args.batch, "seq": args.seq}, args.resume, hosts.nnodes if hosts else 1)
     if problem is not None:
         print(problem, file=sys.stderr)
         return 2
@@ -206,4 +242,8 @@ def main(argv: list[str] | None = None) -> int:
                                        ("save-dir", args.save_dir), ("resume", args.resume)) if v is not None]
     cmd = torchrun_command(args.target, args.plan, args.nproc, args.steps, args.verify, extra, sizes, args.timeout_s,
                            compile=args.compile)
-    return run_torchrun(cmd, nproc=args.nproc, timeout_s=args.timeout_s)
+    if hosts is not None:
+        note = hosts_note(args.plan, args.nproc)
+        if note:
+            print(note, file=sys.stderr, flush=True)
+    return run_torchrun(cmd, nproc=args.nproc, timeout_s=args.timeout_s, hosts=hosts)

@@ -37,12 +37,14 @@ def _where(beat: dict) -> str:
 
 
 class Watchdog:
-    """Watches the heartbeats in ``directory`` of ``nproc`` local ranks against ``timeout_s``."""
+    """Watches the heartbeats in ``directory`` of ``nproc`` local ranks against ``timeout_s``; a rank's
+    first heartbeat may take ``startup_s`` longer (a multi-host job adds its rendezvous timeout)."""
 
-    def __init__(self, directory: str | os.PathLike, nproc: int, timeout_s: float):
+    def __init__(self, directory: str | os.PathLike, nproc: int, timeout_s: float, startup_s: float = STARTUP_S):
         self.directory = Path(directory)
         self.nproc = nproc
         self.timeout_s = timeout_s
+        self.startup_s = startup_s
         self.started = time.time()
         self.stall: str | None = None
         self._stop = threading.Event()
@@ -54,7 +56,7 @@ class Watchdog:
         for local in range(self.nproc):
             beat = beats.get(local)
             if beat is None:
-                if now - self.started > self.timeout_s + STARTUP_S:
+                if now - self.started > self.timeout_s + self.startup_s:
                     return (f"cauto run: local rank {local} never started (no heartbeat after {now - self.started:.0f} s); "
                             "ended the job")
                 continue
