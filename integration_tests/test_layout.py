@@ -137,9 +137,16 @@ def test_readme_layout_matches_the_tree(pkg):
     text = (pkg / "README.md").read_text()
     assert "\n## Layout\n" in text, f"{pkg.name}/README.md has no '## Layout' section"
     section = text.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
-    base = next(p for p in (pkg / "src" / "cauto").iterdir() if p.is_dir() and p.name != "__pycache__")
-    listed = set(re.findall(r"^  (\S+\.py)\b", section, re.MULTILINE))
-    actual = {str(f.relative_to(base)) for f in base.rglob("*.py")}
+    listed, block = set(), None
+    for line in section.splitlines():  # blocks headed "src/cauto/<dir>/", then "  module.py  what it is"
+        head = re.match(r"^src/cauto/(\S+)/$", line)
+        if head:
+            block = head.group(1)
+        module = re.match(r"^  (\S+\.py)\b", line)
+        if module and block is not None:
+            listed.add(f"{block}/{module.group(1)}")
+    roots = [p for p in (pkg / "src" / "cauto").iterdir() if p.is_dir() and p.name != "__pycache__"]
+    actual = {f"{root.name}/{f.relative_to(root)}" for root in roots for f in root.rglob("*.py")}
     assert listed == actual, f"missing from the README: {sorted(actual - listed)}; gone from the tree: " \
                              f"{sorted(listed - actual)}"
 

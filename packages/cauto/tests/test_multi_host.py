@@ -71,7 +71,7 @@ def test_two_launchers_train_a_2x2_plan_with_the_losses_of_one_process(plan_2x2)
     time.sleep(1.0)  # the second host comes later, as it would
     hosts.append(_launcher(run))
     outs = [h.communicate(timeout=240) for h in hosts]
-    for h, (out, err) in zip(hosts, outs):
+    for h, (_out, err) in zip(hosts, outs):
         assert h.returncode == 0, err[-3000:]
         assert "across hosts: mesh axis 'dp'" in err  # the outer axis is the one that crosses hosts
     printed = "".join(out for out, _ in outs)  # rank 0 prints, on whichever host the rendezvous put it

@@ -49,8 +49,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from cauto.cli.progress import PhaseBars, is_milestone, is_tty
 from cauto.cli.hosts import Hosts, HostsError, RendezvousFilter, hosts_note
+from cauto.cli.progress import PhaseBars, is_milestone, is_tty
 from cauto.cli.watchdog import EXIT_STALLED, STARTUP_S, Watchdog
 from cauto.runtime.heartbeat import ENV_DIR, read_heartbeats
 
