@@ -42,7 +42,7 @@ from cauto.runtime.propagate import propagate
 _HELD = ("plan", "mesh", "capture", "executable", "chunked", "lowered", "optimizer", "grad_sync")
 #: ParallelModule's properties and methods: a user's name among these wins (_yield_names), as ALBERT's
 #: ``predictions`` head does; ours stay reachable as ``ParallelModule.<name>`` (e.g. ``.fget(module)``)
-_YIELDING = ("predictions", "generated_code", "manager", "input_slices", "save", "load")
+_YIELDING = ("predictions", "generated_code", "manager", "chunk_shards", "input_slices", "save", "load")
 
 
 def _top_level_names(model: nn.Module) -> set[str]:
@@ -166,6 +166,12 @@ class ParallelModule(nn.Module):
     def manager(self):
         """The chunk manager of the chunked parameters (None without them)."""
         return self.chunked.manager if self.chunked is not None else None
+
+    @property
+    def chunk_shards(self) -> dict:
+        """Name -> ChunkedShard (where its local shard sits in the chunks, its DTensor placements) of
+        each chunked parameter (empty without them)."""
+        return dict(self._shards)
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
         flat = flat_inputs(args, kwargs, self._kwarg_order, self._input_names, self.capture.constants)

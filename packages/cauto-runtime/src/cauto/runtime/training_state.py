@@ -12,8 +12,11 @@ and the marker is in place, so a checkpoint is complete or absent: a crash mid-s
 refuses one whose graph fingerprint is not the model's (CheckpointError says both), loads the
 state in place and returns the step it was saved at. DCP reshards on load, so the same files load
 on another mesh; the RNG states are restored only on the world size they were saved on.
-Plans with chunked state are refused (their state lives in the chunk manager:
-``cauto.runtime.chunks.save_checkpoint``).
+
+Plans with chunked state (the chunk manager's ZeRO-sharded fp32 weights and Adam moments, on the
+device or the host) write the same keys, shapes and values, each rank only the parameters of the
+chunks it owns (chunks/checkpoint.py). So a checkpoint loads into any plan of the same model,
+chunked or not, on any mesh.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from cauto.plan import write_atomic
+from cauto.runtime.chunks.checkpoint import ChunkedState, chunked_state
 
 MARKER = "COMPLETE.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -48,23 +52,43 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _refuse_chunked(model) -> None:
-    if getattr(model, "manager", None) is not None or getattr(model, "chunked", None) is not None:
-        raise CheckpointError("this plan keeps model state in chunks (offload): save it with "
-                              "cauto.runtime.chunks.save_checkpoint; model.save covers device-only plans")
-
-
-def _state(model, optimizer) -> dict:
+def _state(model, optimizer) -> tuple[dict, ChunkedState | None]:
+    """This rank's checkpoint dictionary, and for chunked state what to do after loading into it."""
+    chunked = getattr(model, "chunked", None)
+    if chunked is not None:
+        if optimizer is None:
+            raise CheckpointError("a plan with chunked state saves and loads with its optimizer (the chunk "
+                                  "manager's ChunkedAdam holds the fp32 weights): pass model.optimizer")
+        shards = getattr(model, "chunk_shards", None) or None  # chunks beside tensor parallelism: DTensor shards
+        held = chunked_state(optimizer, model if shards else chunked.module, shards)
+        return held.state, held
     if optimizer is None:
-        return {"model": get_state_dict(model, [])[0]}
+        return {"model": get_state_dict(model, [])[0]}, None
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {"model": model_sd, "optim": optim_sd}
+    return {"model": model_sd, "optim": optim_sd}, None
+
+
+def _keep_saved(state: dict, saved: set[str], prefix: str = "") -> list[str]:
+    """Drop from ``state`` (in place) every value the checkpoint does not hold, with DCP's flattened names
+    (``optim.param_groups.0.lr``): optimizer hyperparameters that another plan's optimizer does not
+    record keep this run's values. Return the names of the tensors it lacks (a real mismatch)."""
+    missing = []
+    items = state.items() if isinstance(state, dict) else enumerate(state)
+    for key, value in list(items):
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) or (isinstance(value, list) and any(isinstance(v, dict) for v in value)):
+            missing += _keep_saved(value, saved, name + ".")
+        elif name not in saved:
+            if isinstance(value, torch.Tensor):
+                missing.append(name)
+            elif isinstance(state, dict):
+                del state[key]
+    return missing
 
 
 def save(model, directory: str | os.PathLike, step: int, optimizer=None) -> Path:
     """Save ``model`` (and ``optimizer``) at training ``step`` under ``directory`` (module docstring);
     every rank calls it. Return the checkpoint's folder."""
-    _refuse_chunked(model)
     directory = Path(directory)
     final = directory / f"step-{step:08d}"
     partial = directory / f".step-{step:08d}.partial"
@@ -73,7 +97,7 @@ def save(model, directory: str | os.PathLike, step: int, optimizer=None) -> Path
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     _barrier()
-    dcp.save(_state(model, optimizer), checkpoint_id=str(partial))
+    dcp.save(_state(model, optimizer)[0], checkpoint_id=str(partial))
     torch.save({"cpu": torch.get_rng_state()}, partial / f"rng-rank{rank}.pt")
     _barrier()
     if rank == 0:
@@ -120,13 +144,27 @@ def check_resumable(directory: str | os.PathLike, graph_fingerprint: str) -> tup
 def load(model, directory: str | os.PathLike, optimizer=None) -> int:
     """Load the latest complete checkpoint of ``directory`` into ``model`` (and ``optimizer``) in place;
     return its step. Every rank calls it."""
-    _refuse_chunked(model)
     found, marker = check_resumable(directory, model.plan.graph_fingerprint)
     if optimizer is not None and not marker.get("optimizer"):
         raise CheckpointError(f"checkpoint {found} holds no optimizer state; load it without an optimizer")
-    state = _state(model, optimizer)
-    dcp.load(state, checkpoint_id=str(found))
-    if optimizer is None:
+    state, chunked = _state(model, optimizer)
+    saved = set(dcp.FileSystemReader(str(found)).read_metadata().state_dict_metadata)
+    missing = _keep_saved(state, saved)
+    if missing:
+        raise CheckpointError(f"checkpoint {found} lacks {len(missing)} of this model's tensors (first: {missing[0]}); "
+                              "it was saved with another optimizer, or without parameters this model has")
+    try:
+        dcp.load(state, checkpoint_id=str(found))
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException carrying each rank's failure
+        failures = getattr(exc, "failures", None)
+        if not failures:
+            raise
+        first = next(iter(failures.values()))
+        raise CheckpointError(f"checkpoint {found} could not be loaded into this plan: {type(first).__name__}: "
+                              f"{str(first).strip().splitlines()[0] if str(first).strip() else ''}") from None
+    if chunked is not None:
+        chunked.finish()
+    elif optimizer is None:
         set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

@@ -143,6 +143,7 @@ def _loss_is_sum(cap: Capture, plan: PlanDocument) -> bool:
 class ChunkedParallelModule(nn.Module):
     """The model on this rank, its parameters in chunks (module docstring); call it like ParallelModule.
 
+    ``save(D, step)`` / ``load(D)`` checkpoint and resume training (training_state.py).
     Attributes: ``optimizer`` (ChunkedAdam: ``step``, ``zero_grad``, ``clip_grad_norm_``), ``chunked``
     (the ChunkedModel), ``manager`` (the ChunkManager: ``traffic``, ``arena``), ``plan``, ``mesh``, ``capture``.
     """
@@ -186,6 +187,18 @@ class ChunkedParallelModule(nn.Module):
         raise NotImplementedError("no_sync() with chunked parameter state: the chunk manager reduce-scatters every "
                                   "backward's gradients into its chunks; accumulate with a larger batch, or plan with "
                                   "--offload none")
+
+    def save(self, directory, step: int = 0):
+        """Checkpoint the chunked weights, Adam state, ``step`` and RNG states under ``directory`` (each rank
+        writes the chunks it owns, under a device-only plan's keys: chunks/checkpoint.py); every rank calls it."""
+        from cauto.runtime import training_state
+        return training_state.save(self, directory, step, self.optimizer)
+
+    def load(self, directory) -> int:
+        """Load the latest complete checkpoint under ``directory`` (of any plan of this model, any mesh) in
+        place; return the step it was saved at."""
+        from cauto.runtime import training_state
+        return training_state.load(self, directory, self.optimizer)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip the chunked gradients to global norm ``max_norm``; return the norm before clipping (clip.py)."""
