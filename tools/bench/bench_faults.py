@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +34,12 @@ def cauto(*args: str, env: dict | None = None) -> tuple[int, float, str]:
                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, timeout=600)
     lines = [line for line in res.stderr.splitlines() if line.startswith("cauto")]
     return res.returncode, time.monotonic() - start, (lines[-1] if lines else res.stderr.strip()[-200:])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def edited(src: Path, dst: Path, edit) -> str:
@@ -87,6 +94,9 @@ def bad_inputs(d: Path) -> list[tuple[str, tuple[str, ...]]]:
                                               "--nproc", "2")),
         ("run: --nproc 4 for a mesh of 2", ("run", TARGET, "--plan", str(plan), "--nproc", "4")),
         ("run: --nproc 1 for a mesh of 2", ("run", TARGET, "--plan", str(plan), "--nproc", "1")),
+        ("run: --nnodes 2 without --rdzv-endpoint", ("run", TARGET, "--plan", str(plan), "--nproc", "1", "--nnodes", "2")),
+        ("run: --nnodes 3 for a mesh of 2", ("run", TARGET, "--plan", str(plan), "--nproc", "1", "--nnodes", "3",
+                                             "--rdzv-endpoint", "localhost:29400")),
         ("run: another model (--batch 16)", ("run", TARGET, "--plan", str(plan), "--nproc", "2", "--batch", "16")),
         ("explain --graph of another model", ("explain", str(plan), "--graph", str(d / "other.json"))),
         ("plan -o a FIFO", ("plan", str(graph), "--mesh", "2", "-o", str(d / "fifo"))),
@@ -116,6 +126,12 @@ def main() -> None:
                                           env={"CAUTO_TEST_FAULT": f"1:{phase}:{action}"})
                 rows.append(f"| rank 1 {action} in {phase} (timeout {args.timeout_s} s) | {rc} | {seconds:.1f} | `{line}` |")
                 print(rows[-1], flush=True)
+            endpoint = f"localhost:{free_port()}"
+            rc, seconds, line = cauto("run", TARGET, "--plan", str(d / "plan.json"), "--nproc", "1", "--nnodes", "2",
+                                      "--rdzv-endpoint", endpoint, "--rdzv-timeout-s", str(args.timeout_s))
+            rows.append(f"| the second of 2 hosts never joins (rendezvous timeout {args.timeout_s} s) | {rc} | "
+                        f"{seconds:.1f} | `{line.replace(endpoint, 'localhost:$PORT')}` |")
+            print(rows[-1], flush=True)
         for name, argv in bad_inputs(d):
             rc, seconds, line = cauto(*argv)
             rows.append(f"| {name} | {rc} | {seconds:.1f} | `{line.replace(tmp, '$TMP')}` |")

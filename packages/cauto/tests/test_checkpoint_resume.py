@@ -1,6 +1,6 @@
 """Checkpoint and resume through `cauto run` on 2 gloo ranks (device-only plan with collectives).
 
-A run resumed from a checkpoint prints the losses of the uninterrupted run (5 decimals, as the
+A run resumed from a checkpoint prints the losses of the uninterrupted run (9 significant digits, as the
 launcher prints them), on the same mesh and on another (2 ranks -> 1: DCP reshards); a rank killed
 during a save leaves the previous checkpoint usable (the partial one is ignored); a checkpoint of
 another model, or none at all, is refused before any rank starts.
@@ -55,3 +55,44 @@ def test_kill_during_save_then_resume_gives_the_uninterrupted_losses(run_cauto, 
     assert "is of graph 000000000000" in refused.stderr and "[rank" not in refused.stderr
     empty = run_cauto(*run, "--steps", "4", "--resume", str(tmp_path / "nothing"))
     assert empty.returncode == 2 and "no complete checkpoint" in empty.stderr
+
+
+def _plan(run_cauto, graph, out, *flags):
+    res = run_cauto("plan", str(graph), *flags, "-o", str(out))
+    assert res.returncode == 0, res.stderr[-2000:]
+    return out
+
+
+@pytest.mark.slow
+def test_four_rank_checkpoints_resume_exactly_on_their_mesh_and_within_1e_6_on_others(run_cauto, tmp_path):
+    """4 ranks, a device-only plan that shards parameters and a chunked plan (ZeRO chunks): each
+    resumed on its own plan repeats the uninterrupted losses exactly; the device-only checkpoint
+    resumed on 2x2 and on 2 ranks, and the chunked one on a device-only plan of 2 ranks (DCP reads the
+    owners' chunks into DTensor shards), stay within 1e-6 relative."""
+    graph = tmp_path / "graph.json"
+    assert run_cauto("profile", TARGET, "-o", str(graph)).returncode == 0
+    sharded4 = _plan(run_cauto, graph, tmp_path / "sharded4.json", "--mesh", "4", "--memory", "0.8MiB")
+    assert any(e["placements"] != ["R"] for e in json.loads(sharded4.read_text())["params"].values())
+    chunked4 = _plan(run_cauto, graph, tmp_path / "chunked4.json", "--mesh", "4", "--offload", "chunked")
+    assert {e["state"] for e in json.loads(chunked4.read_text())["params"].values()} == {"chunked"}
+    grid = _plan(run_cauto, graph, tmp_path / "grid.json", "--mesh", "2x2", "--memory", "0.8MiB")
+    two = _plan(run_cauto, graph, tmp_path / "two.json", "--mesh", "2", "--memory", "1.2MiB")
+
+    def train(plan, nproc, *flags):
+        res = run_cauto("run", TARGET, "--plan", str(plan), "--nproc", str(nproc), "--steps", "6", "--timeout-s", "90",
+                        *flags)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return _losses(res.stdout)
+
+    for plan, others in ((sharded4, [(grid, 4), (two, 2)]), (chunked4, [(two, 2)])):
+        saves = tmp_path / f"saves-{plan.stem}"
+        whole = train(plan, 4, "--save-every", "3", "--save-dir", str(saves))
+        shutil.rmtree(saves / "step-00000006")  # resume from step 3
+        resumed = train(plan, 4, "--resume", str(saves))
+        after = {k: v for k, v in whole.items() if k > 3}
+        assert after and resumed == after, (plan.stem, resumed, whole)
+        for other, nproc in others:
+            moved = train(other, nproc, "--resume", str(saves))
+            assert sorted(moved) == sorted(after), moved
+            for k in after:
+                assert float(moved[k]) == pytest.approx(float(after[k]), rel=1e-6), (plan.stem, other.stem, k)
