@@ -77,8 +77,9 @@ class Hosts:
         """The one line for a rendezvous that failed with ``error`` (torchrun's exception name)."""
         why = (f"not every host joined within {self.rendezvous_timeout_s:g} s" if "Timeout" in error else
                "it was closed" if "Closed" in error else "this host could not reach it")
+        ranks = f"{self.nproc} rank" + ("s" if self.nproc != 1 else "")
         return (f"cauto run: the rendezvous at {self.endpoint} failed ({error}): {why}; the job needs {self.nnodes} "
-                f"hosts of {self.nproc} ranks each. Start the same `cauto run` (same --nnodes, --nproc and "
+                f"hosts of {ranks} each. Start the same cauto run command (same --nnodes, --nproc and "
                 f"--rdzv-endpoint) on every host, check that {self.endpoint} is reachable from each, or raise "
                 "--rdzv-timeout-s")
 
