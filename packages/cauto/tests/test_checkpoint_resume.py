@@ -1,7 +1,7 @@
 """Checkpoint and resume through `cauto run` on 2 gloo ranks (device-only plan with collectives).
 
 A run resumed from a checkpoint prints the losses of the uninterrupted run (9 significant digits, as the
-launcher prints them), on the same mesh and on another (2 ranks -> 1: DCP reshards); a rank killed
+launcher prints them), on the same mesh (exactly) and on another (2 ranks -> 1: DCP reshards; within 1e-6); a rank killed
 during a save leaves the previous checkpoint usable (the partial one is ignored); a checkpoint of
 another model, or none at all, is refused before any rank starts.
 """
@@ -44,7 +44,8 @@ def test_kill_during_save_then_resume_gives_the_uninterrupted_losses(run_cauto, 
     assert run_cauto("plan", str(sharded_plan.parent / "graph.json"), "--mesh", "1", "-o", str(one)).returncode == 0
     moved = run_cauto("run", TARGET, "--plan", str(one), "--nproc", "1", "--steps", "4", "--resume", str(saves))
     assert moved.returncode == 0, moved.stderr[-2000:]
-    assert _losses(moved.stdout) == {3: reference[3], 4: reference[4]}
+    got = _losses(moved.stdout)  # another reduction order: equal to fp32 rounding, not bit for bit
+    assert sorted(got) == [3, 4] and all(float(got[k]) == pytest.approx(float(reference[k]), rel=1e-6) for k in got)
 
     other = tmp_path / "other"
     shutil.copytree(saves / "step-00000002", other / "step-00000002")
