@@ -72,7 +72,7 @@ def test_missing_arguments_exit_2(capsys):
 def test_infeasible_exits_1(graph_file, tmp_path, capsys):
     out = tmp_path / "plan.json"
     assert main([str(graph_file), "--mesh", "2", "--memory", "1KiB", "-o", str(out)]) == 2
-    assert "least memory needs" in capsys.readouterr().err and not out.exists()
+    assert "least-memory plan the search finds needs" in capsys.readouterr().err and not out.exists()
 
 
 def test_parse_bytes():

@@ -10,8 +10,9 @@ class SolverError(ValueError):
 class InfeasibleBudgetError(SolverError):
     """No plan fits the memory budget.
 
-    ``needed_bytes`` is the least per-device peak any plan reaches (the best plan's need) and
-    ``top_tensors`` lists (name, bytes per device) of what dominates that plan's peak. ``reason``
+    ``needed_bytes`` is the least per-device peak of the plans the search evaluated (a plan it really
+    reaches: solve again with that budget and it fits) and ``top_tensors`` lists (name, bytes per
+    device) of what dominates that plan's peak. ``reason``
     replaces the message where memory is not what fails.
     """
 
@@ -27,7 +28,7 @@ class InfeasibleBudgetError(SolverError):
         tops = ", ".join(f"{name} {_mib(b, digits)}" for name, b in top_tensors[:5])
         dominated = f"; the peak is dominated by {tops}" if tops else ""
         super().__init__(
-            f"no plan fits {_mib(budget_bytes, digits)} per device: the plan with the least memory needs "
+            f"no plan fits {_mib(budget_bytes, digits)} per device: the least-memory plan the search finds needs "
             f"{_mib(needed_bytes, digits)} ({needed_bytes} bytes){dominated}. Give more memory, a larger mesh, "
             "or a smaller batch"
         )

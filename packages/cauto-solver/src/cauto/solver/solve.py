@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from cauto.plan import CURRENT_VERSION, GraphDocument, check_plan_matches_graph, split_ref
 from cauto.plan.execution import GRAD_OF
@@ -128,26 +129,47 @@ def _collective_dicts(cs, phase: str, where: str) -> list[dict]:
     return [c.to_dict(phase, where) for c in cs]
 
 
+#: the descent of ``_fit_prediction``: at most this many ILP solves (a plan whose prediction is over the
+#: budget moves the limit down by its excess)
+DESCENT_SOLVES = 4
+
+
+@dataclass
+class Seen:
+    """The plans the search evaluated (their predicted peak and ILP choice): the least of them is what an
+    infeasibility error reports, a need the search really reaches."""
+
+    peaks: list[tuple[int, list[int]]] = field(default_factory=list)
+
+    def add(self, peak: int, choice: list[int]) -> None:
+        self.peaks.append((int(peak), list(choice)))
+
+    def least(self) -> tuple[int, list[int]] | None:
+        return min(self.peaks, key=lambda pc: pc[0]) if self.peaks else None
+
+
 def _fit_prediction(g: GraphDocument, problem: Problem, memory: MemoryModel, result, budget: int, solver: str,
-                    time_limit_s: float, tries: int = 3, limit: int | None = None):
-    """The plan's prediction (``memory.predict``) refines the ILP's memory model (``memory.peak``):
-    where it lands over the budget, solve again with the ILP's ``limit`` (default: the budget)
-    lowered by the excess (a few times); still over (or nothing fits the lowered limit): infeasible."""
+                    time_limit_s: float, limit: int | None = None, seen: Seen | None = None):
+    """The plan's prediction (``memory.predict``) refines the ILP's memory model (``memory.peak``, a
+    linear proxy that is not tight): where the fastest plan under the ILP's ``limit`` (default: the
+    budget) lands over the budget, solve again with the limit lowered by the excess, until a plan
+    fits, the ILP finds none, or ``DESCENT_SOLVES`` solves are spent (then: infeasible). Every plan
+    evaluated goes into ``seen``."""
     nodes = [n for n in g.nodes if n.kind != "output"]
     limit = budget if limit is None else limit
-    for attempt in range(tries + 1):
+    for attempt in range(DESCENT_SOLVES):
         if not result.feasible:
             return result
-        over = predicted_peak_bytes(memory, nodes, chosen_strategies(problem, result.choice)) - budget
-        if over <= 0:
+        peak = predicted_peak_bytes(memory, nodes, chosen_strategies(problem, result.choice))
+        if seen is not None:
+            seen.add(peak, result.choice)
+        if peak <= budget:
             return result
-        tighter = solve_ilp(problem, limit - over, solver=solver, time_limit_s=time_limit_s) if attempt < tries \
-            else None
-        if tighter is None or not tighter.feasible:
-            result.feasible = False  # a plan whose prediction exceeds the budget is no plan for it
-            return result
-        limit -= over
-        result = tighter
+        limit -= peak - budget
+        if attempt == DESCENT_SOLVES - 1 or limit <= 0:
+            break
+        result = solve_ilp(problem, limit, solver=solver, time_limit_s=time_limit_s)
+    result.feasible = False  # a plan whose prediction exceeds the budget is no plan for it
     return result
 
 
@@ -181,8 +203,9 @@ def solve(graph: GraphDocument | Mapping, cluster: ClusterSpec, *, memory_budget
     if progress is not None:
         progress("ilp", 0, 1)
     limit = ilp_budget(budget, chunks)
+    seen = Seen()
     result = solve_ilp(problem, limit, solver=solver, time_limit_s=time_limit_s)
-    result = _fit_prediction(g, problem, memory, result, budget, solver, time_limit_s, limit=limit)
+    result = _fit_prediction(g, problem, memory, result, budget, solver, time_limit_s, limit=limit, seen=seen)
     solved = time.perf_counter()
     if chunks is not None and result.feasible and not chunks.runnable(g, chosen_strategies(problem, result.choice),
                                                                       memory, budget):
@@ -197,8 +220,13 @@ def solve(graph: GraphDocument | Mapping, cluster: ClusterSpec, *, memory_budget
         chosen = chosen_strategies(problem, least.choice)
         nodes = [n for n in g.nodes if n.kind != "output"]
         needed = predicted_peak_bytes(memory, nodes, chosen)
+        if least_peak and least.feasible:
+            seen.add(needed, least.choice)
+            needed, choice = seen.least()  # the least any evaluated plan needs: one the search reaches
+            chosen = chosen_strategies(problem, choice)
         if least_peak and least.feasible and needed <= budget:
             result = least  # the least-memory plan fits where the fastest-first search overshot
+            result.choice = choice
         elif chunks is not None and chunks.pure and needed <= budget and (edge := first_edge(g, nodes, chosen)):
             raise InfeasibleBudgetError(budget, needed, [], reason=(
                 f"no plan with chunked state over every mesh axis exists for this graph: with it the model runs as "
