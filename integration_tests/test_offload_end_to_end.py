@@ -150,3 +150,28 @@ def test_cli_offload_plan_runs_under_torchrun(cauto, tmp_path):
     assert plan_path.with_suffix(".measured.json").is_file()
     res = cauto("explain", str(plan_path))
     assert res.returncode == 0 and "host link per step: predicted" in res.stdout and "DIFF" not in res.stdout, res.stdout
+
+
+def test_fine_tuning_a_frozen_backbone_chunks_only_the_trainable_head_on_four_ranks(tmp_path):
+    """Fine-tuning: the MLP's backbone frozen, its last layer trainable. The graph records which
+    parameters are frozen, the solver chunks only the trainable ones (frozen ones have no gradient and
+    no optimizer state: they stay on the device, replicated), and 4 gloo ranks train like one process."""
+    kwargs = dict(batch=32, dim=64, hidden=256, layers=4)
+    graph = profile(functools.partial(zoo.mlp_finetune, **kwargs)).to_graph()
+    frozen = {n["target"] for n in graph["nodes"] if n["kind"] == "param" and n["requires_grad"] is False}
+    assert frozen == {f"layers.{i}.{w}" for i in range(3) for w in ("weight", "bias")}
+    p = plan(graph, cluster_for_mesh("cpu-gloo", (4,)), offload="chunked")
+    states = {e["target"]: e["state"] for e in p["params"].values()}
+    assert {t for t, s in states.items() if s == "chunked"} == {"layers.3.weight", "layers.3.bias"}
+    assert p["execution"]["mode"] == "chunk_manager"
+    job = dict(name="ft", model="mlp_finetune", kwargs=kwargs, mesh=[4], axis_names=["dp"], check="chunked",
+               steps=STEPS, lr=LR, plan=p)
+    for rank in _run_ranks()(4, [job], tmp_path, timeout_s=300):
+        r, off = rank["ft"], p["offload"]
+        assert "error" not in r, r.get("error")
+        for got, want in zip(r["losses"], r["ref_losses"]):
+            assert abs(got - want) <= TOL * max(1.0, abs(want)), r
+        assert len(set(r["losses"])) == STEPS  # the head trains
+        assert r["param_diff"] < TOL, r
+        assert r["nonmodel_peak_bytes"] <= p["predictions"]["peak_bytes"] - off["working_set_bytes"], r
+        assert r["collectives"]["executed"] == r["collectives"]["predicted"], r["collectives"]

@@ -262,7 +262,12 @@ def _chunked_params(m) -> dict[str, torch.Tensor]:
     mgr = m.manager
     mgr.begin_forward()
     mgr.gather_groups(mgr.num_groups)
-    return {s.name: s.param.detach().clone() for s in mgr.layout.slots}
+    out = {s.name: s.param.detach().clone() for s in mgr.layout.slots}
+    module = m.chunked.module
+    for name, p in module.named_parameters():  # frozen ones: on the device, outside the chunks
+        if name not in out and not p.requires_grad:
+            out[name] = _full(p.detach()).clone()
+    return out
 
 
 def _ref_shards(m, ref, mesh) -> dict[str, torch.Tensor]:

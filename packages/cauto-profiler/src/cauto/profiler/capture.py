@@ -435,6 +435,14 @@ def tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _trainable(model: torch.nn.Module, target: str) -> bool:
+    """Whether parameter ``target`` of ``model`` requires grad (True where the name does not resolve)."""
+    try:
+        return bool(model.get_parameter(target).requires_grad)
+    except AttributeError:
+        return True
+
+
 def structure_nodes(cap: Capture) -> list[dict]:
     """Graph-document nodes with only their structural fields, in execution order."""
     nodes = []
@@ -451,7 +459,8 @@ def structure_nodes(cap: Capture) -> list[dict]:
                          target=target)
             if kind == "param":
                 entry["tied_to"] = cap.tied.get(node.name)
-                entry["requires_grad"] = True
+                # frozen (fine-tuning): no gradient, no optimizer state, nothing to chunk
+                entry["requires_grad"] = _trainable(cap.model, target)
         else:
             entry.update(kind="op", op=str(node.target), module=module_path(node),
                          inputs=[ref_of(a) for a in tensor_inputs(node)])

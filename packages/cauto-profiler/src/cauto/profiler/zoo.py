@@ -194,6 +194,14 @@ def mlp(batch: int = 32, dim: int = 64, hidden: int = 256, layers: int = 3):
     return MLP(dim, hidden, layers), (torch.randn(batch, dim), torch.randn(batch, dim))
 
 
+def mlp_finetune(batch: int = 32, dim: int = 64, hidden: int = 256, layers: int = 4):
+    """The MLP fine-tuned: every layer but the last frozen (a frozen backbone under a trainable head)."""
+    model = MLP(dim, hidden, layers)
+    for layer in model.layers[:-1]:
+        layer.requires_grad_(False)
+    return model, (torch.randn(batch, dim), torch.randn(batch, dim))
+
+
 def cnn(batch: int = 8, width: int = 16, blocks: int = 2, image: int = 16, classes: int = 10):
     return ResNet(width, blocks, classes), (torch.randn(batch, 3, image, image), torch.randint(0, classes, (batch,)))
 
@@ -331,6 +339,6 @@ def hf_resnet(batch: int = 4, image: int = 32, dims: tuple = (16, 32, 64, 128), 
                                                   "labels": torch.randint(0, classes, (batch,))}
 
 
-ZOO = {"mlp": mlp, "cnn": cnn, "gpt": gpt, "llama": llama, "gpt2_small": gpt2_small, "hf_gpt2": hf_gpt2,
+ZOO = {"mlp": mlp, "mlp_finetune": mlp_finetune, "cnn": cnn, "gpt": gpt, "llama": llama, "gpt2_small": gpt2_small, "hf_gpt2": hf_gpt2,
        "hf_llama": hf_llama, "hf_bert": hf_bert, "hf_llama2_7b": hf_llama2_7b, "hf_clip": hf_clip,
        "hf_t5": hf_t5, "hf_swin": hf_swin, "hf_convnext": hf_convnext, "hf_resnet": hf_resnet}

@@ -87,8 +87,9 @@ def chunked_state(optimizer: ChunkedAdam, module: nn.Module, shards: dict | None
     layout = mgr.layout
     weights = MASTER if mgr.has_master else PARAM
     aliases = _aliases(module)
-    model_sd = {name: b for name, b in module.state_dict(keep_vars=True).items()
-                if not isinstance(b, nn.Parameter)}
+    in_chunks = {id(slot.param) for slot in layout.slots}
+    model_sd = {name: t for name, t in module.state_dict(keep_vars=True).items()
+                if id(t) not in in_chunks}  # buffers and frozen parameters, as the model holds them
     optim_state: dict[str, dict] = {}
     out = ChunkedState({}, optimizer)
 

@@ -74,21 +74,29 @@ def chunked_targets(plan: PlanDocument) -> list[str]:
     return [e["target"] for e in plan.params.values() if e.get("state", "device") == "chunked"]
 
 
-def refuse_host_state_and_frozen(plan: PlanDocument, model: nn.Module) -> None:
-    """Raise PlanMismatchError for what no chunked plan runs: host state without chunks, frozen parameters."""
+def refuse_host_state(plan: PlanDocument) -> None:
+    """Raise PlanMismatchError for what no chunked plan runs: host state without chunks."""
     host = [e["target"] for e in plan.params.values() if e.get("state") == "host"]
     if host:
         raise mismatch(f"the plan keeps {len(host)} parameters on the host without chunks (first: {host[0]!r}); "
                         "the runtime runs chunked state only: solve with --offload chunked or auto")
-    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+
+
+def refuse_frozen_chunks(plan: PlanDocument, model: nn.Module) -> None:
+    """Raise PlanMismatchError for a frozen parameter the plan chunks (the solver keeps frozen ones on the
+    device: they have no gradient and no optimizer state to page)."""
+    chunked = set(chunked_targets(plan))
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad and n in chunked]
     if frozen:
-        raise mismatch(f"the model has frozen parameters ({frozen[0]!r}); chunked plans train every parameter: "
-                        "solve with --offload none")
+        raise mismatch(f"the plan chunks the frozen parameter {frozen[0]!r}; frozen parameters stay on the device "
+                        "(no gradient, no optimizer state): the plan is of another model, solve again for this one")
 
 
 def check_chunked(cap: Capture, plan: PlanDocument, model: nn.Module) -> None:
-    """Raise PlanMismatchError unless ``plan`` is pure data parallelism with every parameter chunked."""
-    refuse_host_state_and_frozen(plan, model)
+    """Raise PlanMismatchError unless ``plan`` is pure data parallelism with every trainable parameter chunked
+    (frozen ones stay on the device, replicated, as the model has them)."""
+    refuse_host_state(plan)
+    refuse_frozen_chunks(plan, model)
     chunked = set(chunked_targets(plan))
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     left = [n for n in trainable if n not in chunked]
@@ -278,6 +286,9 @@ def apply_chunked(fn: Callable, cap: Capture, plan: PlanDocument, mesh: DeviceMe
     with torch.no_grad():
         for b in model.buffers():
             b.data = b.data.to(device)
+        for p in model.parameters():  # frozen: on the device as the model has them (chunked ones move below)
+            if not p.requires_grad:
+                p.data = p.data.to(device)
     group = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
     names = set(chunked_targets(plan))
     params = [n for n, _ in model.named_parameters() if n in names]

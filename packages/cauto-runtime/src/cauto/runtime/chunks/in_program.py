@@ -41,7 +41,8 @@ from cauto.runtime.chunks.data_parallel import (
     chunked_targets,
     device_budget_bytes,
     mismatch,
-    refuse_host_state_and_frozen,
+    refuse_frozen_chunks,
+    refuse_host_state,
 )
 from cauto.runtime.chunks.fetch import ChunkedShard
 from cauto.runtime.chunks.model import ChunkedModel
@@ -56,7 +57,8 @@ def data_parallel_axes(plan: PlanDocument) -> list[int]:
 
 def check_chunked_program(plan: PlanDocument, model: nn.Module) -> None:
     """Raise PlanMismatchError unless ``plan``'s chunked state can run in the DTensor program (module docstring)."""
-    refuse_host_state_and_frozen(plan, model)
+    refuse_host_state(plan)
+    refuse_frozen_chunks(plan, model)
     if plan.offload is None:
         raise mismatch("the plan marks parameters \"chunked\" but has no offload section; solve again with "
                         "--offload chunked")
