@@ -128,9 +128,10 @@ def parity_job(job: dict) -> dict:
         ref.config.use_cache = False
     state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
     del ref
-    ref_losses, ref_params = eager_run(fn, state, steps, autocast=True)
+    mixed = job.get("mixed_precision", "bf16") != "none"
+    ref_losses, ref_params = eager_run(fn, state, steps, autocast=mixed)
     out: dict = {}
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0 and mixed:
         fp32_losses, fp32_params = eager_run(fn, state, steps, autocast=False)
         out["fp32_vs_autocast"] = {"loss_rel": max(abs(a - b) / abs(b) for a, b in zip(fp32_losses, ref_losses)),
                                    "param_rel": _param_rel(fp32_params, ref_params)}
@@ -150,11 +151,11 @@ def parity_job(job: dict) -> dict:
     out["loss_rel"] = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     out["param_rel"] = _param_rel({k: _full(p).detach() for k, p in model.named_parameters()}, ref_params)
     out["loss_dtype"] = str(loss.dtype)
+    out["bf16_casts"] = model.lowered.code().count("torch.bfloat16") if model.lowered is not None else None
     out["dtypes"] = sorted({str(p.dtype) for p in model.parameters()}
                            | {str(v.dtype) for s in opt.state.values() for v in s.values()
                               if isinstance(v, torch.Tensor) and v.dim()})
     report = verify_step(model, (args, kwargs), opt)
-    out["grad_dtypes"] = sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None})
     peaks = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, report["peak_bytes"]["measured"])
     out["peak_predicted"] = report["peak_bytes"]["predicted"]
@@ -267,9 +268,12 @@ def run_jobs(jobs: list[dict], timeout_s: float) -> dict:
         return json.loads(result.read_text())
 
 
-def parity(models: list[str], meshes: list[str], steps: int, timeout_s: float = 1800.0) -> dict:
-    """{model/mesh: parity_job's result} (module docstring)."""
-    jobs = [{"name": f"{m}/{k}", "model": m, "steps": steps, "plan": bf16_plan(m, k)} for m in models for k in meshes]
+def parity(models: list[str], meshes: list[str], steps: int, mixed_precision: str = "bf16",
+           timeout_s: float = 1800.0) -> dict:
+    """{model/mesh: parity_job's result} (module docstring); ``mixed_precision="none"``: the same for fp32
+    plans against eager fp32 (the peak error of the fp32 path, for comparison)."""
+    jobs = [{"name": f"{m}/{k}", "model": m, "steps": steps, "mixed_precision": mixed_precision,
+             "plan": bf16_plan(m, k, mixed_precision=mixed_precision)} for m in models for k in meshes]
     return run_jobs(jobs, timeout_s)
 
 
@@ -290,6 +294,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--models", default="gpt,gpt2,vit")
     parser.add_argument("--meshes", default="4,2x2")
+    parser.add_argument("--mixed-precision", default="bf16", choices=["bf16", "none"])
     parser.add_argument("--speed", action="store_true")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", help="write the results here")
@@ -301,7 +306,7 @@ def main() -> None:
         for k in result["times"]:
             print(f"{k:12s} step {result['times'][k] * 1e3:8.1f} ms  peak {result['peaks'][k] / MiB:8.2f} MiB")
     else:
-        result = parity(args.models.split(","), args.meshes.split(","), args.steps)
+        result = parity(args.models.split(","), args.meshes.split(","), args.steps, args.mixed_precision)
         for k, r in result.items():
             if "error" in r:
                 print(f"{k:10s} ERROR {r['error'].splitlines()[-1]}")
@@ -311,7 +316,7 @@ def main() -> None:
                   f"(fp32 vs autocast: {ref.get('loss_rel', float('nan')):.2e} / {ref.get('param_rel', float('nan')):.2e})"
                   f"  peak pred {r['peak_predicted'] / MiB:.3f} MiB worst |meas/pred-1| {r['peak_worst_rel']:.3f}"
                   f"  collectives {'equal' if r['collectives_equal'] else 'DIFF ' + json.dumps(r['collectives'])}"
-                  f"  dtypes {r['dtypes']} grads {r['grad_dtypes']} loss {r['loss_dtype']}")
+                  f"  dtypes {r['dtypes']} loss {r['loss_dtype']} bf16 casts {r['bf16_casts']}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
 

@@ -73,10 +73,10 @@ def check_profiled_precision(graph: GraphDocument | Mapping, options: PlanOption
     settings = graph.settings if isinstance(graph, GraphDocument) else dict(graph).get("settings", {})
     profiled = settings.get("autocast") or "none"
     if profiled != options.mixed_precision:
+        again = f"--autocast {options.mixed_precision}" if options.mixed_precision != "none" else "without --autocast"
         raise SolverError(f"the graph was profiled with autocast {profiled!r} but the plan asks for mixed precision "
-                          f"{options.mixed_precision!r}: profile with the same setting (cauto-profile --autocast "
-                          f"{options.mixed_precision}, or without --autocast for 'none'), or let `cauto plan "
-                          f"--mixed-precision {options.mixed_precision}` profile")
+                          f"{options.mixed_precision!r}: profile again {again} (`cauto profile`; "
+                          f"autoparallelize does it), or plan with mixed precision {profiled!r}")
     if options.mixed_precision != "none" and options.offload != "none":
         raise SolverError("mixed precision does not combine with offload (chunked state) yet; plan with offload "
                           "'none', or without mixed precision")
