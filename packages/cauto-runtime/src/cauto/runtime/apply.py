@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -354,7 +354,7 @@ def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, 
         raise TypeError("apply takes a factory returning (model, inputs), not a built model: cauto builds the "
                         "model on the meta device and gives each rank only its shards")
     fn = model_or_fn
-    cap = captured if captured is not None else capture(fn)
+    cap = captured if captured is not None else capture(fn, autocast=compute_dtype(plan))
     check_fits(cap, plan, mesh, chunked_ok=True)
     if seed is None and state_dict is None:
         seed = _shared_seed()
@@ -422,10 +422,12 @@ def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, 
     return module
 
 
-def compute_dtype(plan: PlanDocument) -> torch.dtype | None:
+def compute_dtype(plan: PlanDocument | Mapping) -> torch.dtype | None:
     """The dtype the plan's step computes in under autocast (``execution.mixed_precision.compute_dtype``),
-    None where the plan has no mixed precision."""
-    mixed = (plan.execution or {}).get("mixed_precision")
+    None where the plan has no mixed precision. The model is captured under the same autocast (its
+    graph, and so its fingerprint, is that program's)."""
+    execution = plan.execution if isinstance(plan, PlanDocument) else plan.get("execution")
+    mixed = (execution or {}).get("mixed_precision")
     return None if mixed is None else getattr(torch, mixed["compute_dtype"])
 
 

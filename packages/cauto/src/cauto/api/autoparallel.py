@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from cauto.api.plan_cache import PlanCache
 from cauto.plan import dumps, parse
+from cauto.plan.execution import DTYPE_NAMES
 from cauto.plan.options import PlanOptions
 from cauto.plan.units import ByteSizeError, parse_bytes
 from cauto.profiler import capture, profile
@@ -111,7 +112,7 @@ def plan_for(fn: Callable, mesh_shape: Sequence[int], options: PlanOptions | Non
                                offload_axes=offload_axes, time_limit_s=time_limit_s,
                                mixed_precision=mixed_precision, reduce_dtype=reduce_dtype)
     autocast = profiled_autocast(options)
-    cap = capture(fn)
+    cap = capture(fn, autocast=getattr(torch, DTYPE_NAMES[autocast]) if autocast else None)
     key = PlanCache.key(cap.fingerprint(), cluster.to_dict(),
                         {**options.to_dict(), "optimizer": optimizer, "device": device, "mesh": list(mesh_shape),
                          "axis_names": list(cluster.axis_names)})

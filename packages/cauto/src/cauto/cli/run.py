@@ -137,7 +137,9 @@ def check_launch(target: str, plan_path: str, world_size: int | None, sizes: dic
         from cauto.profiler.target import UsageError, bind_sizes, load_target
 
         try:
-            cap = capture(bind_sizes(load_target(target), sizes))
+            from cauto.runtime.apply import compute_dtype
+
+            cap = capture(bind_sizes(load_target(target), sizes), autocast=compute_dtype(plan))
         except (UsageError, CaptureError) as exc:
             return f"cauto run: error: {str(exc).strip().splitlines()[0]}"
         except Exception as exc:  # the user's factory failed: one line, as cauto profile says it
