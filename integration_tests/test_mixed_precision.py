@@ -21,17 +21,43 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "bench"))
 import bench_mixed_precision  # noqa: E402
 
 BF16_TOLERANCE = 1e-2
+#: the plan's predicted peak against verify_step's measured peak, every rank (issue 21)
+PEAK_TOLERANCE = 0.05
 
 
-def test_bf16_gpt_on_4_gloo_ranks_tracks_eager_autocast():
-    """Zoo GPT, mesh 4, 3 AdamW steps: the plan's program runs bf16 casts, keeps fp32 parameters and AdamW
-    state, tracks eager autocast within the bf16 tolerance, and issues exactly the plan's collectives."""
-    r = bench_mixed_precision.parity(["gpt"], ["4"], steps=3, timeout_s=240.0)["gpt/4"]
+@pytest.mark.parametrize("model", [
+    pytest.param("gpt", marks=pytest.mark.xfail(strict=True, reason=(
+        "peak over-predicted by 7.5% (1156864 B predicted, 1069968..1071128 measured): the device walk's "
+        "point at the head linear's backward adds autocast's forward casts (transient bytes) to the "
+        "backward; not yet modelled as the local program frees them (RESULTS.md, Mixed precision)"))),
+    "gpt2"])
+def test_bf16_on_4_gloo_ranks_tracks_eager_autocast(model, bf16_runs):
+    """Zoo GPT and HF GPT-2 (a causal LM, captured under the plan's autocast), mesh 4 at 60% of the
+    unsharded peak, 3 AdamW steps: the plan's program runs bf16 casts, keeps fp32 parameters and AdamW
+    state, tracks eager autocast within the bf16 tolerance, issues exactly the plan's collectives, and
+    holds the predicted peak within 5% on every rank."""
+    r = bf16_runs[f"{model}/4"]
     assert "error" not in r, r.get("error")
     assert r["loss_rel"] <= BF16_TOLERANCE and r["param_rel"] <= BF16_TOLERANCE, r
     assert r["dtypes"] == ["torch.float32"] and r["loss_dtype"] == "torch.float32", r
     assert r["bf16_casts"] > 0, r
     assert r["collectives_equal"], r["collectives"]
+    assert r["peak_worst_rel"] <= PEAK_TOLERANCE, (r["peak_predicted"], r["peak_measured"])
+
+
+@pytest.fixture(scope="module")
+def bf16_runs():
+    """Both models in one 4-rank launch."""
+    return bench_mixed_precision.parity(["gpt", "gpt2"], ["4"], steps=3, timeout_s=300.0)
+
+
+def test_fp32_plan_peak_in_the_same_harness():
+    """The fp32 plan of the same GPT in the same harness: the device walk's reduce-scatter staging is the
+    local program's (was 12% over when it was the DTensor interpreter's)."""
+    r = bench_mixed_precision.parity(["gpt"], ["4"], steps=2, mixed_precision="none", timeout_s=240.0)["gpt/4"]
+    assert "error" not in r, r.get("error")
+    assert r["collectives_equal"], r["collectives"]
+    assert r["peak_worst_rel"] <= PEAK_TOLERANCE, (r["peak_predicted"], r["peak_measured"])
 
 
 def test_autocast_is_part_of_the_trace_key():

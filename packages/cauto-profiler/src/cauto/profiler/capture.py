@@ -209,7 +209,8 @@ def _export_autocast(wrapper: torch.nn.Module, args: tuple, kwargs: dict,
     capture: device arguments and the program's state are the meta model's again."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    meta_state = {**dict(wrapper.named_parameters()), **dict(wrapper.named_buffers())}
+    meta_state = {**dict(wrapper.named_parameters(remove_duplicate=False)),
+                  **dict(wrapper.named_buffers(remove_duplicate=False))}  # tied names too: tying is by identity
     with FakeTensorMode(allow_non_fake_inputs=True):
         fake = _fake_cpu_copy(wrapper)
         fargs, fkwargs = pytree.tree_map_only(torch.Tensor, lambda t: torch.empty_like(t, device="cpu"),
