@@ -37,3 +37,17 @@ def test_defaults_and_cache_key():
 def test_bad_options_name_the_field(kwargs, says):
     with pytest.raises(OptionsError, match=says):
         PlanOptions(**kwargs)
+
+
+def test_mixed_precision_options():
+    """bf16 is keyed only when asked for (fp32 keys stay valid); fp16 is refused with what to do; a bf16
+    reduce dtype needs mixed precision."""
+    assert "mixed_precision" not in PlanOptions().to_dict()
+    assert PlanOptions(mixed_precision="bf16").to_dict()["mixed_precision"] == "bf16"
+    assert PlanOptions(mixed_precision="bf16").to_dict() != PlanOptions().to_dict()
+    with pytest.raises(OptionsError, match="fp16.*loss scaling.*bf16"):
+        PlanOptions(mixed_precision="fp16")
+    with pytest.raises(OptionsError, match="reduce dtype"):
+        PlanOptions(reduce_dtype="bf16")
+    with pytest.raises(OptionsError, match="not implemented yet"):
+        PlanOptions(mixed_precision="bf16", reduce_dtype="bf16")

@@ -15,6 +15,12 @@ The runtime reads these fields and derives nothing itself:
   gradient, reduced gradient, two Adam moments). A plan solved without a budget would otherwise hand
   the simulated device the whole memory of the modelled one.
 
+* ``execution.mixed_precision`` (since 1.3, optional): ``{"compute_dtype": "bfloat16", "reduce_dtype":
+  "float32" | "bfloat16"}``: the step runs under autocast to ``compute_dtype`` (the profile the plan was
+  solved from ran under the same autocast, so its dtypes are the ones that run), parameters and optimizer
+  state stay in their own dtype (fp32 masters), the parameters' gradients are reduced in ``reduce_dtype``.
+  Absent: the step runs in the parameters' dtype, as in every plan before 1.3.
+
 Documents of 1.0 and 1.1 get the section on read (versioning's upgrader) by the same rules, which
 live here and nowhere else.
 """
@@ -27,6 +33,8 @@ GRAD_OF = "grad of "
 ALL_CHUNK_LISTS_BYTES_PER_ELEM = 20
 
 MODES = ("program", "chunk_manager")
+#: the planning options' short dtype names -> the plan's (torch's) dtype names
+DTYPE_NAMES = {"bf16": "bfloat16", "fp32": "float32"}
 
 
 def grad_reductions_of(collectives: list[dict]) -> list[str]:
@@ -54,10 +62,22 @@ def simulated_device_budget_bytes(offload: dict, peak_bytes: int) -> int:
     return min(budget, cap)
 
 
-def execution_section(mesh_ndim: int, offload: dict | None, edges: list, collectives: list[dict]) -> dict:
+def mixed_precision_section(mixed_precision: str, reduce_dtype: str) -> dict | None:
+    """``execution.mixed_precision`` for the planning options ``mixed_precision`` ("none" | "bf16") and
+    ``reduce_dtype`` ("fp32" | "bf16"); None for "none" (module docstring)."""
+    if mixed_precision == "none":
+        return None
+    return {"compute_dtype": DTYPE_NAMES[mixed_precision], "reduce_dtype": DTYPE_NAMES[reduce_dtype]}
+
+
+def execution_section(mesh_ndim: int, offload: dict | None, edges: list, collectives: list[dict],
+                      mixed_precision: dict | None = None) -> dict:
     """The plan's ``execution`` section from its other sections (module docstring)."""
     mode = "chunk_manager" if chunk_manager_runs(mesh_ndim, offload, edges) else "program"
-    return {"mode": mode, "grad_reductions": grad_reductions_of(collectives)}
+    out = {"mode": mode, "grad_reductions": grad_reductions_of(collectives)}
+    if mixed_precision is not None:
+        out["mixed_precision"] = mixed_precision
+    return out
 
 
 def add_execution(doc: dict) -> dict:
@@ -75,5 +95,5 @@ def add_execution(doc: dict) -> dict:
     return doc
 
 
-__all__ = ["ALL_CHUNK_LISTS_BYTES_PER_ELEM", "GRAD_OF", "MODES", "add_execution", "chunk_manager_runs",
+__all__ = ["ALL_CHUNK_LISTS_BYTES_PER_ELEM", "DTYPE_NAMES", "GRAD_OF", "MODES", "mixed_precision_section", "add_execution", "chunk_manager_runs",
            "execution_section", "grad_reductions_of", "simulated_device_budget_bytes"]

@@ -14,9 +14,13 @@ from typing import Literal, get_args
 Checkpoint = Literal["none", "auto", "rotor", "chen"]
 Offload = Literal["none", "auto", "chunked"]
 Solver = Literal["cbc", "highs"]
+MixedPrecision = Literal["none", "bf16"]
+ReduceDtype = Literal["fp32", "bf16"]
 CHECKPOINT_METHODS: tuple[str, ...] = get_args(Checkpoint)
 OFFLOAD_MODES: tuple[str, ...] = get_args(Offload)
 SOLVERS: tuple[str, ...] = get_args(Solver)
+MIXED_PRECISIONS: tuple[str, ...] = get_args(MixedPrecision)
+REDUCE_DTYPES: tuple[str, ...] = get_args(ReduceDtype)
 
 
 class OptionsError(ValueError):
@@ -39,6 +43,14 @@ class PlanOptions:
     offload_axes: tuple[int, ...] | None = None
     """The mesh axes chunked state is ZeRO-sharded over, the others left to tensor parallelism; None:
     every axis and each axis alone are tried, the fastest plan wins. Needs ``offload``."""
+    mixed_precision: MixedPrecision = "none"
+    """"none" (train in the parameters' dtype) or "bf16": the step runs under bf16 autocast over fp32 master
+    parameters and optimizer state, profiled and planned under the same autocast (plan
+    ``execution.mixed_precision``). "fp16" is refused: it needs loss scaling, which cauto does not do."""
+    reduce_dtype: ReduceDtype = "fp32"
+    """dtype of the parameters' gradient reductions under mixed precision: "fp32" (as FSDP2's
+    ``MixedPrecisionPolicy(reduce_dtype=torch.float32)``); "bf16" (half the bytes) is refused until the
+    runtime casts its gradient buckets (the plan schema already names it). Needs mixed_precision."""
     solver: Solver = "cbc"
     """The ILP solver: "cbc" or "highs"."""
     time_limit_s: float = 60.0
@@ -63,6 +75,19 @@ class PlanOptions:
                 raise OptionsError("offload axes name the axes chunked state is ZeRO-sharded over: they need offload "
                                    "'auto' or 'chunked'")
             object.__setattr__(self, "offload_axes", tuple(self.offload_axes))
+        if self.mixed_precision == "fp16":
+            raise OptionsError("mixed precision 'fp16' needs loss scaling, which cauto does not implement; use "
+                               "mixed precision 'bf16' (no loss scaling needed) or 'none'")
+        if self.mixed_precision not in MIXED_PRECISIONS:
+            raise OptionsError(f"mixed precision {self.mixed_precision!r} is not one of {', '.join(MIXED_PRECISIONS)}")
+        if self.reduce_dtype not in REDUCE_DTYPES:
+            raise OptionsError(f"reduce dtype {self.reduce_dtype!r} is not one of {', '.join(REDUCE_DTYPES)}")
+        if self.reduce_dtype != "fp32" and self.mixed_precision == "none":
+            raise OptionsError(f"reduce dtype {self.reduce_dtype!r} is a mixed-precision choice: it needs mixed "
+                               "precision 'bf16'")
+        if self.reduce_dtype == "bf16":
+            raise OptionsError("reduce dtype 'bf16' is not implemented yet (the runtime reduces the fp32 "
+                               "parameters' gradients in fp32); use reduce dtype 'fp32'")
         if self.solver not in SOLVERS:
             raise OptionsError(f"unknown solver {self.solver!r}; use one of {SOLVERS}")
         if isinstance(self.time_limit_s, bool) or not isinstance(self.time_limit_s, numbers.Real) \
@@ -71,11 +96,15 @@ class PlanOptions:
 
     def to_dict(self) -> dict:
         """The options as the plan cache keys them: budget and checkpoint always; offload and its axes
-        only when set, so that keys of plans cached before offload existed stay valid. The solver and
+        only when set, so that keys of plans cached before offload existed stay valid; mixed precision and
+        its reduce dtype likewise only when not the default (an fp32 and a bf16 plan never share a key). The solver and
         its time limit are not part of the key (a cached plan is reused whichever solver found it)."""
         out: dict = {"budget": self.memory_budget_bytes, "checkpoint": self.checkpoint}
         if self.offload != "none":
             out["offload"] = self.offload
         if self.offload_axes is not None:
             out["offload_axes"] = list(self.offload_axes)
+        if self.mixed_precision != "none":
+            out["mixed_precision"] = self.mixed_precision
+            out["reduce_dtype"] = self.reduce_dtype
         return out

@@ -19,7 +19,7 @@ from cauto.plan.execution import add_execution
 KINDS = ("graph", "plan")
 
 #: The version this cauto-plan writes, per document kind.
-CURRENT_VERSION: dict[str, tuple[int, int]] = {"graph": (1, 0), "plan": (1, 2)}
+CURRENT_VERSION: dict[str, tuple[int, int]] = {"graph": (1, 0), "plan": (1, 3)}
 
 
 def _plan_1_0_to_1_1(doc: dict) -> dict:
@@ -34,9 +34,16 @@ def _plan_1_1_to_1_2(doc: dict) -> dict:
     return add_execution(doc)
 
 
+def _plan_1_2_to_1_3(doc: dict) -> dict:
+    """Plan 1.3 adds the optional ``execution.mixed_precision``; without it a plan trains in its parameters'
+    dtype, as every older plan did: a 1.2 document is a valid 1.3 document as it is."""
+    return doc
+
+
 #: (kind, from_minor) -> function that turns a document of MAJOR.from_minor into MAJOR.from_minor+1.
 UPGRADERS: dict[tuple[str, int], Callable[[dict], dict]] = {("plan", 0): _plan_1_0_to_1_1,
-                                                           ("plan", 1): _plan_1_1_to_1_2}
+                                                           ("plan", 1): _plan_1_1_to_1_2,
+                                                           ("plan", 2): _plan_1_2_to_1_3}
 
 
 class NewerMinorVersionWarning(UserWarning):

@@ -143,8 +143,11 @@ class Capture:
                 if isinstance(n.meta.get("custom"), dict) and CHECKPOINT_KEY in n.meta["custom"]}
 
 
-def capture(fn: ModelFactory, *, stamp: bool | None = None) -> Capture:
+def capture(fn: ModelFactory, *, stamp: bool | None = None, autocast: torch.dtype | None = None) -> Capture:
     """Build the model on meta, export its loss graph, and return the Capture.
+
+    ``autocast`` (a dtype, e.g. torch.bfloat16): export under CPU autocast to it, the program a
+    mixed-precision plan runs (module docstring).
 
     Models with a repeated block (a ModuleList of identical layers) export only their first three
     blocks and stamp the others (:mod:`cauto.profiler.stamp`), giving the graph a whole-model export
@@ -157,9 +160,9 @@ def capture(fn: ModelFactory, *, stamp: bool | None = None) -> Capture:
     mode = stamp_mode(stamp)
     exported, note = None, "stamping off"
     if mode != "off":
-        exported, note = stamped_export(wrapper, lambda: _export(wrapper, args, kwargs))
+        exported, note = stamped_export(wrapper, lambda: _export(wrapper, args, kwargs, autocast))
     if exported is None or mode == "verify":
-        whole = _export(wrapper, args, kwargs)
+        whole = _export(wrapper, args, kwargs, autocast)
         if exported is not None:
             diff = differences(exported, whole)
             if diff:
@@ -175,8 +178,11 @@ def capture(fn: ModelFactory, *, stamp: bool | None = None) -> Capture:
     return cap
 
 
-def _export(wrapper: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+def _export(wrapper: torch.nn.Module, args: tuple, kwargs: dict,
+            autocast: torch.dtype | None = None) -> torch.export.ExportedProgram:
     """torch.export of the loss wrapper (checkpointed regions marked); CaptureError saying why not."""
+    if autocast is not None:
+        return _export_autocast(wrapper, args, kwargs, autocast)
     try:
         with refuse_autograd_functions(wrapper), mark_checkpoints(), _lazy_recompiles():
             return torch.export.export(wrapper, args, kwargs, strict=False)
@@ -194,6 +200,51 @@ def _export(wrapper: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export
                     "apply before capture: make the size static or use torch._check (ops with data-dependent "
                     "output sizes such as nonzero/masked_select are fine: see cauto.profiler.size_hint)")
         raise CaptureError(f"torch.export could not capture the model: {first}{hint}") from exc
+
+
+def _export_autocast(wrapper: torch.nn.Module, args: tuple, kwargs: dict,
+                     dtype: torch.dtype) -> torch.export.ExportedProgram:
+    """``_export`` under ``torch.autocast("cpu", dtype)``. Autocast skips meta tensors, so the wrapper is
+    exported as fake CPU tensors (no memory allocated either), and the graph is made to read as a meta
+    capture: device arguments and the program's state are the meta model's again."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    meta_state = {**dict(wrapper.named_parameters(remove_duplicate=False)),
+                  **dict(wrapper.named_buffers(remove_duplicate=False))}  # tied names too: tying is by identity
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = _fake_cpu_copy(wrapper)
+        fargs, fkwargs = pytree.tree_map_only(torch.Tensor, lambda t: torch.empty_like(t, device="cpu"),
+                                              (args, kwargs))
+    with torch.autocast("cpu", dtype=dtype):
+        exported = _export(fake, fargs, fkwargs)
+    meta, cpu = torch.device("meta"), torch.device("cpu")
+    for node in exported.graph.nodes:
+        node.args, node.kwargs = pytree.tree_map_only(torch.device, lambda d: meta if d == cpu else d,
+                                                      (node.args, node.kwargs))
+    for name in list(exported.state_dict):
+        if name in meta_state:
+            exported.state_dict[name] = meta_state[name]
+    exported.graph_module.recompile()
+    return exported
+
+
+def _fake_cpu_copy(wrapper: torch.nn.Module) -> torch.nn.Module:
+    """A copy of the meta wrapper whose parameters and buffers are fake CPU tensors (call it under a
+    FakeTensorMode), same names, tied parameters still tied."""
+    import copy
+
+    fake = copy.deepcopy(wrapper)
+    made: dict[int, torch.Tensor] = {}
+    for module in fake.modules():
+        for name, t in list(module._parameters.items()) + list(module._buffers.items()):
+            if t is None:
+                continue
+            if id(t) not in made:
+                new = torch.empty_like(t, device="cpu")
+                made[id(t)] = torch.nn.Parameter(new, requires_grad=t.requires_grad) \
+                    if isinstance(t, torch.nn.Parameter) else new
+            (module._parameters if name in module._parameters else module._buffers)[name] = made[id(t)]
+    return fake
 
 
 @contextlib.contextmanager

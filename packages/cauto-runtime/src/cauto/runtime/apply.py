@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -116,6 +116,8 @@ class ParallelModule(nn.Module):
         self.mesh = mesh
         self.__dict__["chunked"] = chunked
         self.__dict__["lowered"] = lowered
+        #: the plan's mixed-precision compute dtype (None: the parameters' dtype); apply sets it
+        self.autocast_dtype: torch.dtype | None = None
         self._shards = shards or {}
         self._state = [self._lookup(node) for node in cap.graph.nodes
                        if node.op == "placeholder" and cap.placeholders[node.name][0] != "input"]
@@ -184,6 +186,9 @@ class ParallelModule(nn.Module):
             (loss,) = self.chunked.run(self.executable.module, *self._state, *flat)
         elif self.lowered is not None:
             (loss,) = self.lowered(*self._state, *flat)
+        elif self.autocast_dtype is not None:  # the DTensor interpreter under the plan's mixed precision
+            with torch.autocast(self.mesh.device_type, dtype=self.autocast_dtype):
+                (loss,) = self.executable.module(*self._state, *flat)
         else:
             (loss,) = self.executable.module(*self._state, *flat)
         return loss
@@ -355,7 +360,7 @@ def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, 
         raise TypeError("apply takes a factory returning (model, inputs), not a built model: cauto builds the "
                         "model on the meta device and gives each rank only its shards")
     fn = model_or_fn
-    cap = captured if captured is not None else capture(fn)
+    cap = captured if captured is not None else capture(fn, autocast=compute_dtype(plan))
     check_fits(cap, plan, mesh, chunked_ok=True)
     if seed is None and state_dict is None:
         seed = _shared_seed()
@@ -365,6 +370,11 @@ def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, 
             "compile=True needs the local program, and " + ("this plan keeps parameter state in chunks, which "
             "the chunk manager fetches and releases in Python between ops (no graph can hold that)" if has_chunks
             else "lowering='dtensor' was asked for") + "; run without compile, or plan without --offload")
+    compute = compute_dtype(plan)
+    if compute is not None and has_chunks:
+        raise PlanMismatchError("this plan asks for mixed precision (execution.mixed_precision) and keeps parameter "
+                                "state in chunks; the chunk manager does not run plans under autocast yet: plan "
+                                "without --offload, or without --mixed-precision")
     if plan.execution["mode"] == "chunk_manager":
         return apply_chunked(fn, cap, plan, mesh, seed=seed, state_dict=state_dict, optimizer=optimizer)
     model, _, fills = build_skeleton(fn)
@@ -406,14 +416,25 @@ def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, 
         lowering = "dtensor"
     if lowering == "local":
         _replicated_as_plain(model, mesh)
-    lowered = LocalProgram(executable.module, mesh, compile=compile, plan_nodes=plan.nodes) if lowering == "local" else None
+    lowered = LocalProgram(executable.module, mesh, compile=compile, plan_nodes=plan.nodes,
+                           autocast_dtype=compute) if lowering == "local" else None
     module = ParallelModule(model, cap, plan, mesh, executable, bucket_bytes, lowered=lowered)
+    module.autocast_dtype = compute
     if lowered is not None:
         lowered.prepare(module._state, [(tuple(n.meta["val"].shape), n.meta["val"].dtype)
                                         for n in cap.graph.nodes
                                         if n.op == "placeholder" and cap.placeholders[n.name][0] == "input"])
     module.optimizer = optimizer(module) if optimizer is not None else None
     return module
+
+
+def compute_dtype(plan: PlanDocument | Mapping) -> torch.dtype | None:
+    """The dtype the plan's step computes in under autocast (``execution.mixed_precision.compute_dtype``),
+    None where the plan has no mixed precision. The model is captured under the same autocast (its
+    graph, and so its fingerprint, is that program's)."""
+    execution = plan.execution if isinstance(plan, PlanDocument) else plan.get("execution")
+    mixed = (execution or {}).get("mixed_precision")
+    return None if mixed is None else getattr(torch, mixed["compute_dtype"])
 
 
 def _shared_seed() -> int:
@@ -423,4 +444,4 @@ def _shared_seed() -> int:
     return int(seed[0])
 
 
-__all__ = ["ChunkedParallelModule", "ParallelModule", "PlanMismatchError", "apply"]
+__all__ = ["ChunkedParallelModule", "ParallelModule", "PlanMismatchError", "apply", "compute_dtype"]

@@ -32,7 +32,9 @@ def generate(target, plan_path: str) -> str:
     from cauto.runtime.dist_utils import make_mesh
 
     plan = load_plan(plan_path)
-    cap = capture(target)  # the plan must belong to this model before anything is built for it
+    from cauto.runtime.apply import compute_dtype
+
+    cap = capture(target, autocast=compute_dtype(plan))  # the plan must belong to this model first
     check_plan_against_graph(plan.to_dict(), cap.structure(), cap.fingerprint(), source=str(plan_path))
     world = 1
     for s in plan.mesh["shape"]:

@@ -21,6 +21,13 @@ counts and its memory predictions carry over unchanged; the tracing costs about 
 as Python. The text of each graph, collective lines annotated with their mesh axis and bytes, is
 what runs (``execute.compile_with_comments``) and what ``cauto codegen`` shows.
 
+Mixed precision (plan ``execution.mixed_precision``): the program is traced under
+``torch.autocast(device, compute_dtype)``, so the casts autocast would make in eager are explicit
+``_to_copy`` lines of the forward graph (fp32 parameters in, bf16 copies into matmuls), and their
+backward casts the gradients back to the parameters' fp32; the graphs then run without autocast.
+Autocast, the plan's and any the caller has entered around the call, is part of the trace key: an
+fp32 and a bf16 lowering never share an entry.
+
 A lowered program is traced for one set of input shapes and dtypes and one grad mode; a call with
 others traces again (a few per model at most: training and evaluation). Gradient accumulation
 (``ParallelModule.no_sync``) traces a second training variant whose backward leaves the plain
@@ -41,6 +48,13 @@ from torch.distributed.tensor import DTensor
 from cauto.profiler.capture import tensor_bytes
 
 COLLECTIVE_NAMESPACE = "_c10d_functional"
+
+
+def autocast_state(device_type: str) -> tuple:
+    """The caller's autocast on ``device_type`` as a trace key: (enabled, dtype), (False, None) when off."""
+    if not torch.is_autocast_enabled(device_type):
+        return (False, None)
+    return (True, torch.get_autocast_dtype(device_type))
 
 
 def _signature(x) -> tuple:
@@ -318,8 +332,11 @@ class LocalProgram(torch.nn.Module):
     """
 
     def __init__(self, program: torch.fx.GraphModule, mesh: DeviceMesh, *, compile: bool = False,
-                 plain: set[int] | None = None, bucket_bytes: int = 25 * 2**20, plan_nodes: dict | None = None):
+                 plain: set[int] | None = None, bucket_bytes: int = 25 * 2**20, plan_nodes: dict | None = None,
+                 autocast_dtype: torch.dtype | None = None):
         super().__init__()
+        #: the plan's mixed-precision compute dtype: the program is traced under autocast to it (None: off)
+        self.autocast_dtype = autocast_dtype
         self.__dict__["program"] = program  # not a submodule: its parameters are the model's
         #: the plan's nodes (placements by program node name), for the message of a plan that cannot be lowered
         self.plan_nodes = plan_nodes
@@ -379,7 +396,7 @@ class LocalProgram(torch.nn.Module):
 
     def _key(self, args) -> tuple:
         grad = torch.is_grad_enabled()
-        return (grad, self.reducing or not grad,
+        return (grad, self.reducing or not grad, self.autocast_dtype, autocast_state(self.mesh.device_type),
                 tuple(_signature(a) for a in args if not isinstance(a, DTensor)))
 
     def prepare(self, state: list, inputs: list[tuple[tuple[int, ...], torch.dtype]]) -> None:
@@ -493,11 +510,15 @@ class LocalProgram(torch.nn.Module):
             self.graphs, self.collectives = {}, {}
         self.traces += 1
         program, plain, mesh, placements = self.program, self.plain, self.mesh, self._grad_placements[reducing]
+        mixed = self.autocast_dtype
 
         def step(*args):
             args = [_AsReplicated.apply(a, mesh, lambda g, i=i: placements.__setitem__(i, g), reducing)
                     if i in plain else a for i, a in enumerate(args)]
-            return program.forward(*args)
+            if mixed is None:
+                return program.forward(*args)
+            with torch.autocast(mesh.device_type, dtype=mixed):
+                return program.forward(*args)
 
         decompositions = None
         if self.compile:  # inductor lowers what its own decomposition table leaves, as torch.compile does
@@ -518,4 +539,4 @@ class LocalProgram(torch.nn.Module):
         return "\n\n\n".join(parts) + "\n"
 
 
-__all__ = ["COLLECTIVE_NAMESPACE", "LocalProgram", "LoweringError", "annotate_collectives"]
+__all__ = ["COLLECTIVE_NAMESPACE", "LocalProgram", "LoweringError", "annotate_collectives", "autocast_state"]

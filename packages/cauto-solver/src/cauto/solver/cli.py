@@ -80,6 +80,11 @@ def _solve_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload-axes",
                    help="comma-separated mesh axes (indices or names) the chunks are ZeRO-sharded over, the "
                         "others left to tensor parallelism (default: the fastest of every axis and each one alone)")
+    p.add_argument("--mixed-precision", default="none", choices=["none", "bf16", "fp16"],
+                   help="bf16: plan for bf16 autocast compute over fp32 master weights (the graph must be profiled "
+                        "with --autocast bf16); fp16 is refused (no loss scaling)")
+    p.add_argument("--reduce-dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="dtype of the gradient reductions under --mixed-precision bf16 (default fp32)")
     p.add_argument("--solver", default="cbc", choices=list(SOLVERS))
     p.add_argument("--time-limit", type=float, default=60.0, help="solver time limit in seconds")
     p.add_argument("-o", "--output", required=True, help="where to write the plan document")
@@ -126,7 +131,8 @@ def main(argv: list[str] | None = None, progress=None) -> int:
         offload_axes = parse_axes(args.offload_axes, cluster.axis_names) if args.offload_axes is not None else None
         graph = load_graph(args.graph)
         options = plan_options(memory_budget=budget, checkpoint=args.checkpoint, time_limit_s=args.time_limit,
-                               solver=args.solver, offload=args.offload, offload_axes=offload_axes)
+                               solver=args.solver, offload=args.offload, offload_axes=offload_axes,
+                               mixed_precision=args.mixed_precision, reduce_dtype=args.reduce_dtype)
         plan = make_plan(graph, cluster, options, progress=progress)
         dump(plan, args.output, replace_symlink=args.replace_symlink)
         print(summary(plan))

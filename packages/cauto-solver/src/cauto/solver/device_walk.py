@@ -19,9 +19,10 @@ saved once its backward ran):
   allocates: gradients of its outputs and inputs, and its transient bytes.
 * After ``n``'s backward, for an input it took through a redistribution: the redistribution's
   backward, with ``n``'s saved tensors (and the redistributed copy, when ``n`` was its first saving
-  consumer) freed. It holds the arriving gradient, the collective's staging copies
-  (``reshard.staging_copies``: two for a reduce-scatter onto an inner dimension, measured on gloo:
-  the stacked chunks and the collective's clone; one otherwise) and the result.
+  consumer) freed. It holds the arriving gradient and, as the local program runs it, either the
+  collective's staging copy (``reshard.staging_copies``: the stacked chunks of a reduce-scatter onto
+  an inner dimension, made while the gradient is live; the gradient is freed before the collective
+  allocates its smaller result) or, for any other collective, the result.
 * Then the gradient synchronization and optimizer step, exactly as memory.py predicts them.
 
 For a plan without regions each op's backward point is also at least the calibrated model's for it
@@ -187,8 +188,8 @@ def predicted_points(memory: MemoryModel, nodes: list, chosen: dict[str, Strateg
                 in_grads += grad
                 if k < len(s.inputs) and owner_pl(src, o) != s.inputs[k]:
                     target = backward_target(s.input_grads[k], owner_pl(src, o))
-                    staged = max(staged, grad * staging_copies(s.input_grads[k], target, mesh)
-                                 + dev_bytes(src, o, target))
+                    staged = max(staged, grad * staging_copies(s.input_grads[k], target, mesh),
+                                 dev_bytes(src, o, target))
         grads += pending[t]
         here = state + live + grads + out_grads + in_grads + memory.transient_bytes(n, s)
         if not members:  # at least what the calibrated model says (memory.py: all saved + n's backward extra)

@@ -35,6 +35,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from cauto.plan import GraphDocument
+from cauto.plan.execution import mixed_precision_section
 from cauto.plan.mesh_axes import data_parallel_axes
 from cauto.plan.options import CHECKPOINT_METHODS, OptionsError, PlanOptions
 from cauto.solver.checkpoint import ShardingResult, attach_checkpoint, joint_plan, sharding_result_from_plan
@@ -45,7 +46,7 @@ from cauto.solver.errors import InfeasibleBudgetError, SolverError
 from cauto.solver.progress import CHECKPOINT_PHASE, ProgressFn, counted, joint_solves_at_most
 from cauto.solver.solve import solve
 
-__all__ = ["CHECKPOINT_METHODS", "PlanOptions", "ilp_sharding", "offload_axes_candidates", "plan", "plan_options"]
+__all__ = ["CHECKPOINT_METHODS", "PlanOptions", "check_profiled_precision", "ilp_sharding", "offload_axes_candidates", "plan", "plan_options"]
 
 
 def plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options: PlanOptions | None = None, *,
@@ -53,9 +54,36 @@ def plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options: PlanOpti
     """Return a plan document for ``graph`` on ``cluster`` with ``options`` (cauto.plan.PlanOptions).
 
     The options may instead be given as keywords (``memory_budget`` for ``memory_budget_bytes``, and
-    ``checkpoint``, ``solver``, ``time_limit_s``, ``offload``, ``offload_axes``): a front that builds
-    the PlanOptions. A bad option raises SolverError naming it."""
+    ``checkpoint``, ``solver``, ``time_limit_s``, ``offload``, ``offload_axes``, ``mixed_precision``,
+    ``reduce_dtype``): a front that builds the PlanOptions. A bad option raises SolverError naming it.
+    Mixed precision is planned from the graph's own dtypes: the graph must have been profiled under the
+    same autocast (``settings.autocast``), and the plan records it in ``execution.mixed_precision``."""
     options = plan_options(options, **option_kwargs)
+    check_profiled_precision(graph, options)
+    plan_doc = _plan(graph, cluster, options, progress)
+    section = mixed_precision_section(options.mixed_precision, options.reduce_dtype)
+    if section is not None:
+        plan_doc["execution"]["mixed_precision"] = section
+    return plan_doc
+
+
+def check_profiled_precision(graph: GraphDocument | Mapping, options: PlanOptions) -> None:
+    """Raise SolverError where the graph was profiled under another autocast than ``options`` plans for
+    (its activations' dtypes, and so every memory and communication estimate, would not be what runs)."""
+    settings = graph.settings if isinstance(graph, GraphDocument) else dict(graph).get("settings", {})
+    profiled = settings.get("autocast") or "none"
+    if profiled != options.mixed_precision:
+        again = f"--autocast {options.mixed_precision}" if options.mixed_precision != "none" else "without --autocast"
+        raise SolverError(f"the graph was profiled with autocast {profiled!r} but the plan asks for mixed precision "
+                          f"{options.mixed_precision!r}: profile again {again} (`cauto profile`; "
+                          f"autoparallelize does it), or plan with mixed precision {profiled!r}")
+    if options.mixed_precision != "none" and options.offload != "none":
+        raise SolverError("mixed precision does not combine with offload (chunked state) yet; plan with offload "
+                          "'none', or without mixed precision")
+
+
+def _plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options: PlanOptions,
+          progress: ProgressFn | None) -> dict:
     if options.offload_axes is not None:
         axes = data_parallel_axes(tuple(cluster.mesh_shape), options.offload_axes, error=SolverError)
         options = replace(options, offload_axes=axes)
@@ -63,7 +91,7 @@ def plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options: PlanOpti
         if options.offload == "chunked":
             return _chunked_plan(graph, cluster, options, progress)
         try:
-            return plan(graph, cluster, replace(options, offload="none", offload_axes=None), progress=progress)
+            return _plan(graph, cluster, replace(options, offload="none", offload_axes=None), progress)
         except InfeasibleBudgetError as on_device:
             try:
                 return _chunked_plan(graph, cluster, options, progress)

@@ -153,19 +153,15 @@ def reshard_cost_s(src: Placements, dst: Placements, nbytes: int, mesh_shape: tu
 
 def staging_copies(src: Placements, dst: Placements, mesh_shape: tuple[int, ...]) -> int:
     """Full-size copies (of the tensor as it is at ``src``) that redistributing ``src`` -> ``dst``
-    holds next to its input at once, measured on gloo: a reduce-scatter onto an inner dimension
-    stacks the chunks into one contiguous tensor and the collective clones it (2); any other
-    collective one buffer (1); a local slice none (0)."""
-    copies = 0
+    makes next to its input, as the local program runs it (the runtime's default lowering): a
+    reduce-scatter onto an inner dimension first stacks the chunks into one contiguous tensor (``cat``,
+    1), which the functional collective reads in place; any other collective reads its input as it is
+    (0). Measured on gloo (zoo GPT, a row-split MLP's input gradient: the walk with 1 lands within
+    0.1% of the measured step; the DTensor interpreter's extra clone, 2, over-predicted it by 14%)."""
     for axis, c, t in transform_steps(src, dst, mesh_shape):
-        if mesh_shape[axis] <= 1:
-            continue
-        op = _step_op(c, t, all_to_all=False)
-        if op == "reduce_scatter" and t != "S(0)":
-            return 2
-        if op is not None:
-            copies = 1
-    return copies
+        if mesh_shape[axis] > 1 and _step_op(c, t, all_to_all=False) == "reduce_scatter" and t != "S(0)":
+            return 1
+    return 0
 
 
 def retained_bytes(src: Placements, dst: Placements, nbytes: int, mesh_shape: tuple[int, ...],

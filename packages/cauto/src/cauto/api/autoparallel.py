@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from cauto.api.plan_cache import PlanCache
 from cauto.plan import dumps, parse
+from cauto.plan.execution import DTYPE_NAMES
 from cauto.plan.options import PlanOptions
 from cauto.plan.units import ByteSizeError, parse_bytes
 from cauto.profiler import capture, profile
@@ -70,12 +71,19 @@ def _budget(memory_budget: int | str | None) -> int | None:
 
 
 def plan_options(*, memory_budget: int | str | None = None, checkpoint: str = "none", offload: str = "none",
-                 offload_axes: Sequence[int] | None = None, time_limit_s: float = 60.0) -> PlanOptions:
+                 offload_axes: Sequence[int] | None = None, time_limit_s: float = 60.0,
+                 mixed_precision: str = "none", reduce_dtype: str = "fp32") -> PlanOptions:
     """The PlanOptions of the API's keyword arguments (``memory_budget`` in bytes or a size like "70GiB");
     a bad one raises SolverError naming it."""
     return solver_plan_options(memory_budget=_budget(memory_budget), checkpoint=checkpoint, offload=offload,
                                offload_axes=None if offload_axes is None else tuple(offload_axes),
-                               time_limit_s=time_limit_s)
+                               time_limit_s=time_limit_s, mixed_precision=mixed_precision,
+                               reduce_dtype=reduce_dtype)
+
+
+def profiled_autocast(options: PlanOptions) -> str | None:
+    """The profiler's ``autocast`` for ``options``: a bf16 plan is profiled under the autocast it runs under."""
+    return None if options.mixed_precision == "none" else options.mixed_precision
 
 
 def plan_for(fn: Callable, mesh_shape: Sequence[int], options: PlanOptions | None = None, *,
@@ -83,7 +91,8 @@ def plan_for(fn: Callable, mesh_shape: Sequence[int], options: PlanOptions | Non
              memory_budget: int | str | None = None, optimizer: str = "adamw", device: str = "cpu",
              checkpoint: str = "none", offload: str = "none", offload_axes: Sequence[int] | None = None,
              cache: PlanCache | None = None, time_limit_s: float = 60.0, verbose: bool = False,
-             progress: bool | Callable[[str, int, int], None] = False) -> dict:
+             progress: bool | Callable[[str, int, int], None] = False, mixed_precision: str = "none",
+             reduce_dtype: str = "fp32") -> dict:
     """Profile ``fn`` and solve a plan for ``mesh_shape`` (or take it from ``cache``); return the plan dict.
 
     ``checkpoint``: "none", or activation checkpointing solved jointly with the sharding ("auto",
@@ -91,14 +100,19 @@ def plan_for(fn: Callable, mesh_shape: Sequence[int], options: PlanOptions | Non
     moved between device and host, only where no device-only plan fits the budget); "chunked"
     (always). ``offload_axes``: the mesh axes the chunks are ZeRO-sharded over, the others left to
     tensor parallelism (default: the solver tries every axis and each axis alone, fastest wins).
+    ``mixed_precision``: "none" or "bf16" (profiled and run under bf16 autocast, fp32 master weights and
+    optimizer state; ``reduce_dtype`` "fp32" or "bf16" for the gradient reductions).
     ``options``: a PlanOptions instead of the keywords ``memory_budget``, ``checkpoint``, ``offload``,
-    ``offload_axes`` and ``time_limit_s`` (``plan_options`` builds one from them).
+    ``offload_axes``, ``time_limit_s``, ``mixed_precision`` and ``reduce_dtype`` (``plan_options`` builds
+    one from them).
     ``progress``: module docstring."""
     cluster = cluster_for_mesh(hardware, tuple(mesh_shape), tuple(axis_names) if axis_names else None)
     if options is None:
         options = plan_options(memory_budget=memory_budget, checkpoint=checkpoint, offload=offload,
-                               offload_axes=offload_axes, time_limit_s=time_limit_s)
-    cap = capture(fn)
+                               offload_axes=offload_axes, time_limit_s=time_limit_s,
+                               mixed_precision=mixed_precision, reduce_dtype=reduce_dtype)
+    autocast = profiled_autocast(options)
+    cap = capture(fn, autocast=getattr(torch, DTYPE_NAMES[autocast]) if autocast else None)
     key = PlanCache.key(cap.fingerprint(), cluster.to_dict(),
                         {**options.to_dict(), "optimizer": optimizer, "device": device, "mesh": list(mesh_shape),
                          "axis_names": list(cluster.axis_names)})
@@ -111,12 +125,14 @@ def plan_for(fn: Callable, mesh_shape: Sequence[int], options: PlanOptions | Non
         from cauto.cli.progress import plan_bars, profile_bars
 
         with profile_bars() as bars:
-            graph = profile(fn, optimizer=optimizer, device=device, cap=cap, progress=bars).to_graph()
+            graph = profile(fn, optimizer=optimizer, device=device, cap=cap, autocast=autocast,
+                            progress=bars).to_graph()
         with plan_bars(options.time_limit_s) as bars:
             plan = solve_plan(graph, cluster, options, progress=bars)
     else:
         report = progress or None
-        graph = profile(fn, optimizer=optimizer, device=device, cap=cap, progress=report).to_graph()
+        graph = profile(fn, optimizer=optimizer, device=device, cap=cap, autocast=autocast,
+                        progress=report).to_graph()
         plan = solve_plan(graph, cluster, options, progress=report)
     if verbose:
         print(f"cauto: profiled and solved in {time.perf_counter() - start:.1f} s")
@@ -145,7 +161,8 @@ def _share_plan(plan: dict | None) -> dict:
 def autoparallelize(model_fn: Callable[[], torch.nn.Module], example_inputs, mesh: DeviceMesh | Sequence[int] | str,
                     options: PlanOptions | None = None, *, memory_budget: int | str | None = None,
                     checkpoint: str = "none", offload: str = "none",
-                    offload_axes: Sequence[int] | None = None,
+                    offload_axes: Sequence[int] | None = None, mixed_precision: str = "none",
+                    reduce_dtype: str = "fp32",
                     hardware: str | HardwareSpec | None = None, axis_names: Sequence[str] | None = None,
                     optimizer: str = "adamw", cache_dir: str | None = None, use_cache: bool = True,
                     state_dict: dict | None = None, seed: int | None = None, verbose: bool = False,
@@ -168,8 +185,14 @@ def autoparallelize(model_fn: Callable[[], torch.nn.Module], example_inputs, mes
     ``model.optimizer``, which is also set (the factory's optimizer) for a device-only plan.
     ``compile=True``: the plan's local program (forward and backward graphs with explicit collectives)
     is compiled by inductor; refused for plans with chunked state.
-    ``options``: a cauto.plan.PlanOptions instead of ``memory_budget``, ``checkpoint``, ``offload`` and
-    ``offload_axes``.
+    ``mixed_precision="bf16"``: bf16 compute under autocast over fp32 master weights and optimizer state,
+    gradients reduced in ``reduce_dtype`` ("fp32", default, or "bf16"), like FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``; profiled and planned
+    under the same autocast, recorded in the plan (``execution.mixed_precision``), which the runtime
+    reads. "fp16" is refused (it needs loss scaling). The model's outputs (the loss) come back as autocast
+    leaves them; call ``backward()`` outside any autocast of your own.
+    ``options``: a cauto.plan.PlanOptions instead of ``memory_budget``, ``checkpoint``, ``offload``,
+    ``offload_axes``, ``mixed_precision`` and ``reduce_dtype``.
     ``timeout_s``: the collective timeout of the default group and the mesh's groups (a rank that dies or
     stalls makes the others fail after it instead of hanging; None leaves torch's, 30 min on gloo).
     """
@@ -191,7 +214,8 @@ def autoparallelize(model_fn: Callable[[], torch.nn.Module], example_inputs, mes
         cache = PlanCache(cache_dir) if use_cache else None
         if options is None:  # the keyword arguments: a front that builds the PlanOptions
             options = plan_options(memory_budget=memory_budget, checkpoint=checkpoint, offload=offload,
-                                   offload_axes=offload_axes)
+                                   offload_axes=offload_axes, mixed_precision=mixed_precision,
+                                   reduce_dtype=reduce_dtype)
         plan = plan_for(fn, shape, options, axis_names=names, hardware=hardware, optimizer=optimizer, device=device,
                         cache=cache, verbose=verbose, progress=progress)
     plan = _share_plan(plan)

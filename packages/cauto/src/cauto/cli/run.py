@@ -137,22 +137,29 @@ def _world_size(nproc: int, extra: list[str]) -> int | None:
 
 
 def check_launch(target: str, plan_path: str, world_size: int | None, sizes: dict,
-                 resume: str | None = None, hosts: int = 1) -> str | None:
+                 resume: str | None = None, mixed_precision: str | None = None, hosts: int = 1) -> str | None:
     """Everything a rank would check, done once here: the plan's document, its mesh against the world
-    size, the plan against the model's capture, and the checkpoint to resume from (complete, this
-    model's). Return the error line, or None when all is well."""
+    size, its mixed precision against ``mixed_precision`` (when given), the plan against the model's
+    capture, and the checkpoint to resume from (complete, this model's). Return the error line, or None
+    when all is well."""
     from cauto.plan import DocumentError, MismatchError, load
     from cauto.plan.validate import check_plan_against_graph, check_world_size
 
     try:
         plan = load(plan_path, "plan")
+        if mixed_precision is not None:
+            problem = check_mixed_precision(plan, mixed_precision, plan_path)
+            if problem is not None:
+                return problem
         if world_size is not None:
             check_world_size(plan, world_size, hosts)
         from cauto.profiler.capture import CaptureError, capture
         from cauto.profiler.target import UsageError, bind_sizes, load_target
 
         try:
-            cap = capture(bind_sizes(load_target(target), sizes))
+            from cauto.runtime.apply import compute_dtype
+
+            cap = capture(bind_sizes(load_target(target), sizes), autocast=compute_dtype(plan))
         except (UsageError, CaptureError) as exc:
             return f"cauto run: error: {str(exc).strip().splitlines()[0]}"
         except Exception as exc:  # the user's factory failed: one line, as cauto profile says it
@@ -167,6 +174,25 @@ def check_launch(target: str, plan_path: str, world_size: int | None, sizes: dic
                 return f"cauto run: error: --resume: {exc}"
     except (DocumentError, MismatchError) as exc:
         return f"cauto run: error: {exc}"
+    return None
+
+
+def check_mixed_precision(plan: dict, mixed_precision: str, plan_path: str) -> str | None:
+    """The error line where ``mixed_precision`` ("none", "bf16", "fp16") is refused or is not what the plan
+    runs (``execution.mixed_precision``, which the runtime reads); None when they agree."""
+    from cauto.plan.execution import DTYPE_NAMES
+    from cauto.plan.options import OptionsError, PlanOptions
+
+    try:
+        PlanOptions(mixed_precision=mixed_precision)
+    except OptionsError as exc:
+        return f"cauto run: error: --mixed-precision: {exc}"
+    section = (plan.get("execution") or {}).get("mixed_precision")
+    planned = "none" if section is None else next(k for k, v in DTYPE_NAMES.items() if v == section["compute_dtype"])
+    if planned != mixed_precision:
+        return (f"cauto run: error: --mixed-precision {mixed_precision}, but {plan_path} was planned for "
+                f"{planned!r}; plan again with `cauto plan --mixed-precision {mixed_precision}` (from a graph "
+                f"profiled with{'out --autocast' if mixed_precision == 'none' else ' --autocast ' + mixed_precision})")
     return None
 
 
@@ -194,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save-every", type=int, default=0, help="checkpoint the training state every N steps")
     parser.add_argument("--save-dir", help="where checkpoints go: DIR/step-N, each complete or absent")
     parser.add_argument("--resume", help="resume from the latest complete checkpoint in this folder")
+    parser.add_argument("--mixed-precision", choices=["none", "bf16", "fp16"],
+                        help="check that the plan runs this precision (the runtime reads it from the plan: "
+                             "`cauto plan --mixed-precision`); fp16 is refused (no loss scaling)")
     parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
                         help="collective timeout, and how long a rank may stall before the job is ended (default 120)")
     parser.add_argument("--nnodes", type=int, default=1, help="hosts in the job; run this command on each (default 1)")
@@ -230,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     if hosts is not None:
         extra = hosts.torchrun_flags() + extra
     problem = check_launch(args.target, args.plan, _world_size(args.nproc, extra),
-                           {"batch": args.batch, "seq": args.seq}, args.resume, hosts.nnodes if hosts else 1)
+                           {"batch": args.batch, "seq": args.seq}, args.resume, args.mixed_precision,
+                           hosts.nnodes if hosts else 1)
     if problem is not None:
         print(problem, file=sys.stderr)
         return 2

@@ -1,0 +1,93 @@
+"""The fast subset of tools/bench/bench_mixed_precision.py: bf16 mixed precision planned, lowered and
+trained on 4 gloo ranks against one process under eager bf16 autocast; the options' refusals.
+
+Tolerance 1e-2 relative (losses, and the fp32 master weights as ||W - W_ref|| / ||W_ref||): bf16 keeps
+8 significant bits (epsilon 2^-8 = 3.9e-3) and the sharded program rounds at other points than one
+process (a row-split matmul rounds each partial sum to bf16 before the all-reduce), so runs differ
+by a few bf16 roundings; 1e-2 is 2.5 epsilons. Measured over 20 steps (RESULTS.md, "Mixed
+precision"): at most 8.6e-4 on the losses and 4.1e-3 on the weights, the size of eager fp32 against
+eager autocast itself (6.5e-4 / 3.1e-3 on the GPT and ViT)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "bench"))
+import bench_mixed_precision  # noqa: E402
+
+BF16_TOLERANCE = 1e-2
+#: the plan's predicted peak against verify_step's measured peak, every rank (issue 21)
+PEAK_TOLERANCE = 0.05
+
+
+@pytest.mark.parametrize("model", [
+    pytest.param("gpt", marks=pytest.mark.xfail(strict=True, reason=(
+        "peak over-predicted by 7.5% (1156864 B predicted, 1069968..1071128 measured): the device walk's "
+        "point at the head linear's backward adds autocast's forward casts (transient bytes) to the "
+        "backward; not yet modelled as the local program frees them (RESULTS.md, Mixed precision)"))),
+    "gpt2"])
+def test_bf16_on_4_gloo_ranks_tracks_eager_autocast(model, bf16_runs):
+    """Zoo GPT and HF GPT-2 (a causal LM, captured under the plan's autocast), mesh 4 at 60% of the
+    unsharded peak, 3 AdamW steps: the plan's program runs bf16 casts, keeps fp32 parameters and AdamW
+    state, tracks eager autocast within the bf16 tolerance, issues exactly the plan's collectives, and
+    holds the predicted peak within 5% on every rank."""
+    r = bf16_runs[f"{model}/4"]
+    assert "error" not in r, r.get("error")
+    assert r["loss_rel"] <= BF16_TOLERANCE and r["param_rel"] <= BF16_TOLERANCE, r
+    assert r["dtypes"] == ["torch.float32"] and r["loss_dtype"] == "torch.float32", r
+    assert r["bf16_casts"] > 0, r
+    assert r["collectives_equal"], r["collectives"]
+    assert r["peak_worst_rel"] <= PEAK_TOLERANCE, (r["peak_predicted"], r["peak_measured"])
+
+
+@pytest.fixture(scope="module")
+def bf16_runs():
+    """Both models in one 4-rank launch."""
+    return bench_mixed_precision.parity(["gpt", "gpt2"], ["4"], steps=3, timeout_s=300.0)
+
+
+def test_fp32_plan_peak_in_the_same_harness():
+    """The fp32 plan of the same GPT in the same harness: the device walk's reduce-scatter staging is the
+    local program's (was 12% over when it was the DTensor interpreter's)."""
+    r = bench_mixed_precision.parity(["gpt"], ["4"], steps=2, mixed_precision="none", timeout_s=240.0)["gpt/4"]
+    assert "error" not in r, r.get("error")
+    assert r["collectives_equal"], r["collectives"]
+    assert r["peak_worst_rel"] <= PEAK_TOLERANCE, (r["peak_predicted"], r["peak_measured"])
+
+
+def test_autocast_is_part_of_the_trace_key():
+    """A caller's autocast changes the local program's trace key (an fp32 and a bf16 lowering never share one)."""
+    from cauto.runtime.lowering import autocast_state
+
+    assert autocast_state("cpu") == (False, None)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert autocast_state("cpu") == (True, torch.bfloat16)
+
+
+def test_run_checks_the_flag_against_the_plan():
+    """`cauto run --mixed-precision`: fp16 refused in one line saying what to do; a flag the plan was not
+    made for refused, naming the plan; the plan's own precision accepted."""
+    from cauto.cli.run import check_mixed_precision
+
+    bf16 = {"execution": {"mode": "program", "grad_reductions": [],
+                          "mixed_precision": {"compute_dtype": "bfloat16", "reduce_dtype": "float32"}}}
+    assert check_mixed_precision(bf16, "bf16", "p.json") is None
+    assert check_mixed_precision({"execution": {"mode": "program"}}, "none", "p.json") is None
+    fp16 = check_mixed_precision(bf16, "fp16", "p.json")
+    assert "loss scaling" in fp16 and "bf16" in fp16 and "\n" not in fp16
+    assert "planned for 'bf16'" in check_mixed_precision(bf16, "none", "p.json")
+
+
+def test_a_graph_profiled_without_autocast_is_not_planned_as_bf16():
+    from cauto.plan.options import PlanOptions
+    from cauto.solver.errors import SolverError
+    from cauto.solver.planning import check_profiled_precision
+
+    with pytest.raises(SolverError, match="--autocast bf16"):
+        check_profiled_precision({"settings": {"autocast": None}}, PlanOptions(mixed_precision="bf16"))
+    check_profiled_precision({"settings": {"autocast": "bf16"}}, PlanOptions(mixed_precision="bf16"))
