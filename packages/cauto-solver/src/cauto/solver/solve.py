@@ -231,8 +231,10 @@ def solve(graph: GraphDocument | Mapping, cluster: ClusterSpec, *, memory_budget
             raise InfeasibleBudgetError(budget, needed, [], reason=(
                 f"no plan with chunked state over every mesh axis exists for this graph: with it the model runs as "
                 f"written on each rank's batch slice, but every plan the solver finds redistributes an activation "
-                f"(first: {edge[0]} -> {edge[1]}); chunk over one mesh axis instead (offload_axes / --offload-axes), "
-                f"the others tensor-parallel"))
+                f"(first: {edge[0]} -> {edge[1]}): DTensor cannot split a batch dim of attention or convolution over two "
+                f"mesh axes at once. For pure data parallelism plan on the flat mesh of the same ranks (--mesh "
+                f"{cluster.world_size}), or chunk over one mesh axis (offload_axes / --offload-axes), the others "
+                f"tensor-parallel"))
         else:
             raise InfeasibleBudgetError(budget, needed, _top_tensors(g, chosen, memory))
     if progress is not None:
