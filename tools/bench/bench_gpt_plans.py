@@ -133,6 +133,34 @@ def _uniform(model) -> bool:
     return len({isinstance(p, DTensor) for p in model.parameters()}) == 1
 
 
+def time_interleaved(setups: dict, opts: dict, rounds: int):
+    """(stepper, times): ``stepper(name)`` is one training step of setup ``name`` (its model called on
+    its inputs, backward, its optimizer's step); ``times[name]`` the seconds of its steps over
+    ``rounds`` rounds in which the setups take turns, every rank together (a barrier around each
+    step); round 0 warms up (optimizer state, lowering) and is not timed."""
+    import torch.distributed as dist
+
+    def stepper(name):
+        model, inputs = setups[name]
+
+        def step():
+            model(**inputs).backward()
+            opts[name].step()
+            opts[name].zero_grad()
+        return step
+
+    times: dict[str, list[float]] = {k: [] for k in setups}
+    for r in range(rounds + 1):
+        for name in setups:
+            dist.barrier()
+            start = time.perf_counter()
+            stepper(name)()
+            dist.barrier()
+            if r:
+                times[name].append(time.perf_counter() - start)
+    return stepper, times
+
+
 def peak_bytes(step, model, opt, inputs: dict) -> int:
     """The one peak measure (module docstring)."""
     from cauto.profiler.memory_session import memory_session
@@ -167,25 +195,7 @@ def worker(args) -> None:
         setups[label] = build_cauto(path, fn, args.compile)
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=_uniform(m) or None) for k, (m, _) in setups.items()}
 
-    def stepper(name):
-        model, inputs = setups[name]
-
-        def step():
-            model(**inputs).backward()
-            opts[name].step()
-            opts[name].zero_grad()
-        return step
-
-    times: dict[str, list[float]] = {k: [] for k in setups}
-    rounds = args.rounds if args.worker == "gloo" else 0
-    for r in range(rounds + 1):  # round 0 warms up (optimizer state, lowering)
-        for name in setups:
-            dist.barrier()
-            start = time.perf_counter()
-            stepper(name)()
-            dist.barrier()
-            if r:
-                times[name].append(time.perf_counter() - start)
+    stepper, times = time_interleaved(setups, opts, args.rounds if args.worker == "gloo" else 0)
     peaks = {name: peak_bytes(stepper(name), setups[name][0], opts[name], setups[name][1]) for name in setups}
     collectives = {}
     if args.worker == "gloo":

@@ -182,7 +182,7 @@ def speed_job(job: dict) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     sys.path.insert(0, str(HERE))
-    from bench_gpt_plans import build_cauto, peak_bytes
+    from bench_gpt_plans import build_cauto, peak_bytes, time_interleaved
 
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -201,24 +201,7 @@ def speed_job(job: dict) -> dict:
         setups[label] = (fully_shard(model, **kw), quarter)
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, (m, _) in setups.items()}
 
-    def stepper(name):
-        model, inputs = setups[name]
-
-        def step():
-            model(**inputs).backward()
-            opts[name].step()
-            opts[name].zero_grad()
-        return step
-
-    times: dict[str, list[float]] = {k: [] for k in setups}
-    for r in range(job["rounds"] + 1):  # round 0 warms up (optimizer state, lowering)
-        for name in setups:
-            dist.barrier()
-            start = time.perf_counter()
-            stepper(name)()
-            dist.barrier()
-            if r:
-                times[name].append(time.perf_counter() - start)
+    stepper, times = time_interleaved(setups, opts, job["rounds"])
     peaks = {name: peak_bytes(stepper(name), setups[name][0], opts[name], setups[name][1]) for name in setups}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, peaks)
