@@ -84,3 +84,22 @@ def test_an_empty_memory_option_is_a_bad_size_not_the_device_memory(tmp_path, ca
     assert main([str(tmp_path / "g.json"), "--mesh", "2", "--memory", "", "-o", str(tmp_path / "p.json")]) == 2
     assert "memory '' is not a size" in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()
+
+
+def test_the_plan_records_its_options_and_they_make_it_again(make_cluster):
+    """A plan's ``options`` section holds every PlanOptions field it was solved with (valid against the
+    schema); planning the same graph again with exactly those options gives the same plan."""
+    from cauto.plan.options import PlanOptions
+
+    cluster = make_cluster(2)
+    first = plan(GRAPH, cluster, memory_budget=int(_least_budget_without_recompute(cluster) * 0.9), checkpoint="auto")
+    check_document(first, "plan")
+    recorded = first["options"]
+    assert recorded["checkpoint"] == "auto" and recorded["offload"] == "none" and recorded["solver"] == "cbc"
+    assert recorded["memory_budget_bytes"] == first["predictions"]["memory_budget_bytes"]
+    again = plan(GRAPH, cluster, PlanOptions(**{**recorded, "offload_axes": recorded["offload_axes"]}))
+
+    def without_time(p):
+        return {**p, "solver": {k: v for k, v in p["solver"].items() if k != "time_s"}}
+
+    assert without_time(again) == without_time(first)

@@ -94,6 +94,14 @@ class PlanOptions:
                 or not self.time_limit_s >= 0:
             raise OptionsError(f"time_limit_s {self.time_limit_s!r} is not a number of seconds (0 or more)")
 
+    def record(self) -> dict:
+        """Every field, as the plan's ``options`` section records them (JSON types)."""
+        return {"memory_budget_bytes": self.memory_budget_bytes, "checkpoint": self.checkpoint,
+                "offload": self.offload,
+                "offload_axes": None if self.offload_axes is None else [int(a) for a in self.offload_axes],
+                "mixed_precision": self.mixed_precision, "reduce_dtype": self.reduce_dtype, "solver": self.solver,
+                "time_limit_s": float(self.time_limit_s)}
+
     def to_dict(self) -> dict:
         """The options as the plan cache keys them: budget and checkpoint always; offload and its axes
         only when set, so that keys of plans cached before offload existed stay valid; mixed precision and

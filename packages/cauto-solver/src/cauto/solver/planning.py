@@ -64,6 +64,7 @@ def plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options: PlanOpti
     section = mixed_precision_section(options.mixed_precision, options.reduce_dtype)
     if section is not None:
         plan_doc["execution"]["mixed_precision"] = section
+    plan_doc["options"] = options.record()  # what the user asked for (the plan says how to make it again)
     return plan_doc
 
 

@@ -33,6 +33,11 @@ def summary(plan: dict, top_edges: int = 5) -> str:
         f"activations {format_bytes(pred.get('activation_bytes', 0))}; budget "
         f"{format_bytes(pred['memory_budget_bytes']) if pred.get('memory_budget_bytes') else 'none'})",
     ]
+    opts = plan.get("options")
+    if opts:
+        axes = "" if opts["offload_axes"] is None else f" over axes {','.join(names[a] for a in opts['offload_axes'])}"
+        lines.append(f"planned with         checkpoint {opts['checkpoint']}, offload {opts['offload']}{axes}, mixed "
+                     f"precision {opts['mixed_precision']}, solver {opts['solver']}")
     off = plan.get("offload")
     if off:
         chunked = sum(p.get("state") == "chunked" for p in plan["params"].values())
