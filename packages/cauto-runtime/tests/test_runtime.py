@@ -12,7 +12,8 @@ from conftest import fake_world, plan_for, run_ranks, zoo_capture
 
 K = dict(batch=12, seq=16, vocab=64, dim=32, layers=1, heads=4)
 KW = {"mlp": dict(batch=12, dim=16, hidden=32), "gpt": K, "llama": dict(K, kv_heads=2, hidden=64),
-      "cnn": dict(batch=12, width=8, blocks=2, image=8), "hf_gpt2": K, "hf_llama": dict(K, kv_heads=2, hidden=64)}
+      "cnn": dict(batch=12, width=8, blocks=2, image=8), "hf_gpt2": K, "hf_llama": dict(K, kv_heads=2, hidden=64),
+      "hf_mixtral": dict(batch=4, seq=8)}
 TOL = 2e-5
 
 # Megatron-style tensor parallel on the last mesh axis: column-parallel q/k/v/fc, row-parallel proj/out.
@@ -314,3 +315,15 @@ def test_users_names_win_over_the_parallel_modules():
     assert module(torch.randn(4, 8)).dim() == 0
     with pytest.raises(ValueError, match="top-level 'plan'.*rename it"):
         apply(lambda: fn("plan"), plan, mesh)
+
+
+def test_library_op_runs_replicated_with_its_registered_backward(tmp_path):
+    """Mixtral's experts multiply through the library op ``transformers::grouped_mm_fallback`` (no
+    DTensor sharding rule; its backward is another library op): it runs replicated on the local
+    tensors, the batch split around it, and trains like one process on 2 ranks (before: refused at
+    capture, then "no sharding strategy registered")."""
+    jobs = [job("mixtral_dp", "hf_mixtral", [2], ["dp"], inputs="S(0)")]
+    nodes = jobs[0]["plan"]["nodes"]
+    assert nodes["grouped_mm_fallback"]["inputs"] == [["R"], ["R"], ["R"]]
+    for rank_result in run_ranks(2, jobs, tmp_path, timeout_s=120):
+        assert_parity(rank_result, "mixtral_dp")

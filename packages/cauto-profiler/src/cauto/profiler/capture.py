@@ -1,7 +1,8 @@
 """One capture for profiler and runtime: a model factory -> an ATen forward graph with stable names.
 
 ``capture(fn)`` calls ``fn()`` on the meta device (nothing the size of the model is allocated),
-wraps the model so that the graph ends in the training loss, and exports it with
+wraps the model so that the graph ends in the training loss, and exports it, seen as fake tensors on
+the device the program will run on (model code that branches on the device takes the right branch), with
 ``torch.export.export(strict=False)`` (training IR: ATen ops that autograd can differentiate).
 Node names of that graph are the node ids of the graph document and of the plan, so the runtime,
 which captures the same factory again, executes exactly the nodes the solver planned. Models with a
@@ -143,8 +144,12 @@ class Capture:
                 if isinstance(n.meta.get("custom"), dict) and CHECKPOINT_KEY in n.meta["custom"]}
 
 
-def capture(fn: ModelFactory, *, stamp: bool | None = None) -> Capture:
-    """Build the model on meta, export its loss graph, and return the Capture.
+def capture(fn: ModelFactory, *, stamp: bool | None = None, device: str | torch.device = "cpu") -> Capture:
+    """Build the model on meta, export its loss graph as seen on ``device``, and return the Capture.
+
+    The model's tensors are meta, but the export sees them as fake tensors on ``device`` (the device
+    the program will run on: code that branches on it takes that branch, see :func:`on_fake_device`);
+    the program's device arguments are meta, as the profiler and the runtime expect.
 
     Models with a repeated block (a ModuleList of identical layers) export only their first three
     blocks and stamp the others (:mod:`cauto.profiler.stamp`), giving the graph a whole-model export
@@ -152,14 +157,15 @@ def capture(fn: ModelFactory, *, stamp: bool | None = None) -> Capture:
     ``CAUTO_STAMP=verify`` exports both ways and raises CaptureError if they differ.
     """
     model, args, kwargs = build_on_meta(fn)
+    device = torch.device(device)
     model.train()
     wrapper = LossWrapper(model)
     mode = stamp_mode(stamp)
     exported, note = None, "stamping off"
     if mode != "off":
-        exported, note = stamped_export(wrapper, lambda: _export(wrapper, args, kwargs))
+        exported, note = stamped_export(wrapper, lambda: _export(wrapper, args, kwargs, device))
     if exported is None or mode == "verify":
-        whole = _export(wrapper, args, kwargs)
+        whole = _export(wrapper, args, kwargs, device)
         if exported is not None:
             diff = differences(exported, whole)
             if diff:
@@ -175,11 +181,16 @@ def capture(fn: ModelFactory, *, stamp: bool | None = None) -> Capture:
     return cap
 
 
-def _export(wrapper: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
-    """torch.export of the loss wrapper (checkpointed regions marked); CaptureError saying why not."""
+def _export(wrapper: torch.nn.Module, args: tuple, kwargs: dict,
+            device: torch.device) -> torch.export.ExportedProgram:
+    """torch.export of the loss wrapper (checkpointed regions marked) seen on ``device``; CaptureError
+    saying why not."""
     try:
-        with refuse_autograd_functions(wrapper), mark_checkpoints(), _lazy_recompiles():
-            return torch.export.export(wrapper, args, kwargs, strict=False)
+        with refuse_autograd_functions(wrapper), mark_checkpoints(), _lazy_recompiles(), \
+                on_fake_device(wrapper, (args, kwargs), device) as ((fake_args, fake_kwargs), originals):
+            exported = torch.export.export(wrapper, fake_args, fake_kwargs, strict=False)
+        _devices_to_meta(exported, device, originals)
+        return exported
     except CaptureError:
         raise
     except Exception as exc:  # torch raises many types here; the message is what the user needs
@@ -197,6 +208,63 @@ def _export(wrapper: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export
 
 
 @contextlib.contextmanager
+def on_fake_device(wrapper: torch.nn.Module, inputs: tuple[tuple, dict], device: torch.device):
+    """While exporting, the model's meta parameters and buffers and the meta inputs are fake tensors on
+    ``device``; yields the fake (args, kwargs) and the map from id(fake) to the meta tensor it stands for.
+
+    Model code may branch on the device it runs on (transformers' mixture of experts counts tokens per
+    expert with ``histc`` on a float copy on CPU, an int32 one elsewhere): a capture on meta takes the
+    branch of no real device and bakes it into the program. Fake tensors allocate nothing, like meta
+    ones, and report the device the program will run on. Afterwards the meta tensors are back in place
+    (ties kept: one fake per meta tensor) and the ExportedProgram's state is the meta tensors again.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes: dict[int, torch.Tensor] = {}
+    originals: dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in fakes:
+            made = mode.fake_tensor_converter.from_meta_and_device(mode, t.detach(), device)
+            if isinstance(t, torch.nn.Parameter):
+                made = torch.nn.Parameter(made, requires_grad=t.requires_grad)
+            fakes[id(t)], originals[id(made)] = made, t
+        return fakes[id(t)]
+
+    swapped = []
+    for module in wrapper.modules():
+        for slots in (module._parameters, module._buffers):
+            for name, t in slots.items():
+                if t is not None and t.device.type == "meta":
+                    swapped.append((slots, name, t))
+                    slots[name] = fake(t)
+    try:
+        yield pytree.tree_map(lambda x: fake(x) if isinstance(x, torch.Tensor) and x.device.type == "meta" else x,
+                              inputs), originals
+    finally:
+        for slots, name, t in swapped:
+            slots[name] = t
+
+
+def _devices_to_meta(exported: torch.export.ExportedProgram, device: torch.device,
+                     originals: dict[int, torch.Tensor]) -> None:
+    """The captured program as a meta capture writes it: ``device`` arguments (factory ops, ``to``)
+    become meta (the runtime and the profiler put their own device there), and the state dict holds
+    the model's meta tensors, not the fakes the export saw."""
+    meta = torch.device("meta")
+    for node in exported.graph.nodes:
+        if node.op != "call_function":
+            continue
+        node.args, node.kwargs = pytree.tree_map(
+            lambda a: meta if isinstance(a, torch.device) and a == device else a, (node.args, node.kwargs))
+    state = exported.state_dict
+    for key, t in list(state.items()):
+        state[key] = originals.get(id(t), t)
+    exported.graph_module.recompile()
+
+
+@contextlib.contextmanager
 def refuse_autograd_functions(wrapper: torch.nn.Module):
     """While exporting, raise CustomFunctionError at the first ``torch.autograd.Function.apply``.
 
@@ -205,12 +273,18 @@ def refuse_autograd_functions(wrapper: torch.nn.Module):
     estimator would silently train another model). Capture cannot keep a Function as one node (the
     profiler, the solver and the runtime all work on ATen ops), so it refuses the model by the
     Function's name and the module that calls it.
+
+    The Functions torch generates for a ``torch.library`` custom op with a registered autograd
+    formula (:func:`is_registered_op_function`) pass: they are how torch runs a registered op's
+    autograd, the graph keeps the op as one node, and its backward is the registered formula.
     """
     function = torch.autograd.Function
     original = function.__dict__["apply"]
     names = {id(m): name for name, m in wrapper.named_modules()}
 
     def refuse(cls, *args, **kwargs):
+        if is_registered_op_function(cls):
+            return original.__func__(cls, *args, **kwargs)
         raise CustomFunctionError(_custom_function_message(cls, _calling_module(names)))
 
     function.apply = classmethod(refuse)
@@ -218,6 +292,13 @@ def refuse_autograd_functions(wrapper: torch.nn.Module):
         yield
     finally:
         function.apply = original
+
+
+def is_registered_op_function(cls: type) -> bool:
+    """True for the autograd.Function torch builds for a ``torch.library`` op's registered autograd
+    (``torch._library.autograd.make_autograd_impl``: ``GeneratedBackwardFor_<namespace>_<op>_<overload>``),
+    never for a Function a user wrote."""
+    return cls.__module__ == "torch._library.autograd" and cls.__qualname__.startswith("GeneratedBackwardFor_")
 
 
 def _calling_module(names: dict[int, str]) -> str:

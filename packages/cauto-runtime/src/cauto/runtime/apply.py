@@ -349,7 +349,7 @@ def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, 
         raise TypeError("apply takes a factory returning (model, inputs), not a built model: cauto builds the "
                         "model on the meta device and gives each rank only its shards")
     fn = model_or_fn
-    cap = captured if captured is not None else capture(fn)
+    cap = captured if captured is not None else capture(fn, device=mesh.device_type)
     check_fits(cap, plan, mesh, chunked_ok=True)
     if seed is None and state_dict is None:
         seed = _shared_seed()

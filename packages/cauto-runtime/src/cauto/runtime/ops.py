@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.utils._pytree as pytree
 import torch.utils.checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -209,6 +210,37 @@ def sdpa(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: b
 
 #: ATen ops that DTensor cannot shard on some devices, replaced by the function above (same signature)
 SUBSTITUTES = {torch.ops.aten.scaled_dot_product_attention.default: sdpa}
+
+#: operator namespaces whose ops DTensor has sharding rules for (or that the runtime itself emits)
+_TORCH_NAMESPACES = {"aten", "prims", "_c10d_functional", "c10d_functional", "_dtensor", "cauto"}
+
+
+def is_library_op(target: object) -> bool:
+    """True for an op registered with ``torch.library`` outside torch (``transformers::grouped_mm_fallback``):
+    DTensor has no sharding rule for it, so it runs replicated (:func:`replicated_op`)."""
+    return isinstance(target, torch._ops.OpOverload) and target.namespace not in _TORCH_NAMESPACES
+
+
+def replicated_op(op: torch._ops.OpOverload, *args, **kwargs):
+    """``op`` run on the local tensors of its replicated DTensor inputs; its outputs replicated DTensors.
+
+    Every rank holds the whole inputs and computes the whole outputs, as one process would. The op's
+    own autograd (its registered backward, itself possibly another library op) runs on the local
+    tensors; ``to_local``/``from_local`` carry the gradient across (a Partial output gradient is
+    reduced to Replicate first)."""
+    dtensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, DTensor)]
+    if not dtensors:
+        return op(*args, **kwargs)
+    mesh = dtensors[0].device_mesh
+    bad = [a.placements for a in dtensors if any(not p.is_replicate() for p in a.placements)]
+    if bad:
+        raise RuntimeError(f"{op} has no sharding rule and runs replicated, but an input is placed {bad[0]}")
+    replicate_all = [Replicate()] * mesh.ndim
+    local_args, local_kwargs = pytree.tree_map(lambda a: a.to_local() if isinstance(a, DTensor) else a,
+                                               (args, kwargs))
+    out = op(*local_args, **local_kwargs)
+    return pytree.tree_map(lambda t: DTensor.from_local(t, mesh, replicate_all, run_check=False)
+                           if isinstance(t, torch.Tensor) else t, out)
 
 
 def checkpointed(region: torch.nn.Module, *args):

@@ -98,7 +98,7 @@ def plan_for(fn: Callable, mesh_shape: Sequence[int], options: PlanOptions | Non
     if options is None:
         options = plan_options(memory_budget=memory_budget, checkpoint=checkpoint, offload=offload,
                                offload_axes=offload_axes, time_limit_s=time_limit_s)
-    cap = capture(fn)
+    cap = capture(fn, device=device)
     key = PlanCache.key(cap.fingerprint(), cluster.to_dict(),
                         {**options.to_dict(), "optimizer": optimizer, "device": device, "mesh": list(mesh_shape),
                          "axis_names": list(cluster.axis_names)})
