@@ -122,6 +122,15 @@ class Capture:
     def graph(self) -> torch.fx.Graph:
         return self.exported.graph
 
+    def lifted_constant(self, placeholder: str) -> torch.Tensor | None:
+        """The value of a tensor constant the trace lifted into a graph input (a ``torch.tensor(...)``
+        literal in the model's forward: T5's attention), or None for any other placeholder. The graph
+        document calls it a buffer; it is no tensor of the model, so its value lives here."""
+        for spec in self.exported.graph_signature.input_specs:
+            if spec.arg.name == placeholder and spec.kind == InputKind.CONSTANT_TENSOR:
+                return self.exported.constants[spec.target]
+        return None
+
     def value_nodes(self) -> list[torch.fx.Node]:
         """Nodes that become graph-document nodes, in execution order."""
         return [n for n in self.graph.nodes if is_value_node(n)]
@@ -444,6 +453,11 @@ def _placeholders(exported: torch.export.ExportedProgram) -> tuple[dict, dict]:
             by_identity[key] = canonical
         else:
             by_identity[key] = name
+    # Three or more names of one tensor (T5: shared, encoder and decoder embeddings, lm_head) leave a chain
+    # of placeholders the graph never reads; each must name the one it does read, whose placement it has.
+    for other in tied:
+        while tied[other] in tied:
+            tied[other] = tied[tied[other]]
     return places, tied
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from cauto.plan import PlanDocument, load_plan
 from cauto.plan.validate import check_plan_against_graph
@@ -145,6 +145,10 @@ class ParallelModule(nn.Module):
 
     def _lookup(self, node):
         kind, fqn = self.capture.placeholders[node.name]
+        constant = self.capture.lifted_constant(node.name)
+        if constant is not None:  # a constant of the trace, not a buffer of the model: replicated, on the device
+            return DTensor.from_local(constant.to(self.mesh.device_type), self.mesh,
+                                      [Replicate()] * self.mesh.ndim, run_check=False)
         if kind == "param" and fqn in self._shards:
             return self._shards[fqn]
         if kind == "param":
@@ -272,7 +276,6 @@ def _replicated_as_plain(model: nn.Module, mesh: DeviceMesh) -> None:
     (their local tensor): the optimizer and the local program then treat them as DDP does, with no
     DTensor dispatch. Plans that shard any parameter keep all of them DTensors, as FSDP2 and tensor
     parallelism do (a foreach optimizer refuses a mix of DTensors and plain tensors)."""
-    from torch.distributed.tensor import Replicate
 
     params = list(model.parameters())
     if not all(isinstance(p, DTensor) and all(isinstance(q, Replicate) for q in p.placements) for p in params):
@@ -368,10 +371,10 @@ def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, 
         config.use_cache = False
     placements = {cap.placeholders[pid][1]: ",".join(entry["placements"]) for pid, entry in plan.params.items()}
     for pid, (kind, fqn) in cap.placeholders.items():
-        if kind == "param" and fqn not in placements:
-            canonical = cap.tied.get(pid)
-            if canonical in plan.params:
-                placements[fqn] = ",".join(plan.params[canonical]["placements"])
+        canonical = cap.tied.get(pid)
+        if kind == "param" and canonical in plan.params:
+            # one tensor, several names: it is stored as the program reads it, the name the graph uses
+            placements[fqn] = ",".join(plan.params[canonical]["placements"])
     materialize(model, fills, mesh, placements, seed=seed, state_dict=state_dict)
     propagation = None
     if check_placements:

@@ -208,8 +208,30 @@ def sdpa(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: b
                                   stride=_stride_like(out, shape))
 
 
-#: ATen ops that DTensor cannot shard on some devices, replaced by the function above (same signature)
-SUBSTITUTES = {torch.ops.aten.scaled_dot_product_attention.default: sdpa}
+def lift_fresh_copy(x: torch.Tensor) -> torch.Tensor:
+    """``aten.lift_fresh_copy`` (the copy a trace makes of a tensor constant it lifted, T5's) as the clone it
+    is: DTensor has no rule for the lift, it has one for clone."""
+    return torch.ops.aten.clone.default(x)
+
+
+def fill_tensor_(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``aten.fill_.Tensor`` (fill with a 0-dim tensor: T5 writes its decoder start token so) as the copy of
+    the value broadcast to ``x`` that it is: DTensor has a rule for that copy (a replicated value becomes
+    any placement of ``x`` by slicing), none for the fill."""
+    return torch.ops.aten.copy_.default(x, value.expand(x.shape))
+
+
+def cat(tensors: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """``aten.cat`` without the legacy empty inputs (1-dim, 0 elements) that torch's cat skips and DTensor's
+    rule cannot (it checks ``dim`` against each input: T5's empty key/value caches, ``torch.tensor([])``)."""
+    kept = [t for t in tensors if not (t.dim() == 1 and t.shape[0] == 0)]
+    return torch.ops.aten.cat.default(kept if kept else tensors, dim)
+
+
+#: ATen ops that DTensor cannot shard (on some devices), replaced by the functions above (same signature)
+SUBSTITUTES = {torch.ops.aten.cat.default: cat, torch.ops.aten.scaled_dot_product_attention.default: sdpa,
+               torch.ops.aten.lift_fresh_copy.default: lift_fresh_copy,
+               torch.ops.aten.fill_.Tensor: fill_tensor_}
 
 #: operator namespaces whose ops DTensor has sharding rules for (or that the runtime itself emits)
 _TORCH_NAMESPACES = {"aten", "prims", "_c10d_functional", "c10d_functional", "_dtensor", "cauto"}
