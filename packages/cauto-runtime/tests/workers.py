@@ -89,7 +89,9 @@ def run_job(job: dict, mesh, captures: dict) -> dict:
                 if p.grad is None or want is None:  # frozen (Whisper's encoder positions): both or a mismatch
                     grad_diff = grad_diff if p.grad is None and want is None else float("inf")
                     continue
-                grad_diff = max(grad_diff, float((_full(p.grad) - want).abs().max()))
+                diff = float((_full(p.grad) - want).abs().max())
+                if diff > grad_diff:
+                    grad_diff, out["worst_grad"] = diff, name
         else:
             loss = m(*args, **kwargs)
             loss.backward()

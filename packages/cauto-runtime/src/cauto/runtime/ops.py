@@ -228,8 +228,18 @@ def cat(tensors: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
     return torch.ops.aten.cat.default(kept if kept else tensors, dim)
 
 
+def adaptive_avg_pool1d(x: torch.Tensor, output_size: list[int]) -> torch.Tensor:
+    """``aten.adaptive_avg_pool1d`` to one output: the mean over the last dim that the CPU kernel computes
+    (same values, same gradient), without the ``as_strided_`` it then applies to an input it takes for
+    channels-last (Swin's pooler: a transposed input), which DTensor has no rule for on any placement."""
+    if list(output_size) == [1]:
+        return torch.ops.aten.mean.dim(x, [-1], True)
+    return torch.ops.aten.adaptive_avg_pool1d.default(x, output_size)
+
+
 #: ATen ops that DTensor cannot shard (on some devices), replaced by the functions above (same signature)
-SUBSTITUTES = {torch.ops.aten.cat.default: cat, torch.ops.aten.scaled_dot_product_attention.default: sdpa,
+SUBSTITUTES = {torch.ops.aten.cat.default: cat, torch.ops.aten.adaptive_avg_pool1d.default: adaptive_avg_pool1d,
+               torch.ops.aten.scaled_dot_product_attention.default: sdpa,
                torch.ops.aten.lift_fresh_copy.default: lift_fresh_copy,
                torch.ops.aten.fill_.Tensor: fill_tensor_}
 
