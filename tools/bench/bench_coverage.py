@@ -285,15 +285,16 @@ def profile_and_plan(name: str, fraction: float = 0.6, meshes=("4", "2x2"), eage
     return out
 
 
-def parity(name: str, plans: dict, timeout: float = 600.0) -> dict:
+def parity(name: str, plans: dict, timeout: float = 600.0, kwargs: dict | None = None) -> dict:
     """4 gloo ranks (this script's --worker, running the runtime tests' job) train each plan of ``plans``
     ({mesh key: plan document}) 3 AdamW steps beside one process, one mesh after the other in the same
-    4 processes: {mesh key: {"rel": largest relative loss difference} or {"error": message}}."""
+    4 processes: {mesh key: {"rel": largest relative loss difference} or {"error": message}}. ``name`` is a
+    model of this script or of the profiler's zoo, called with ``kwargs``."""
     from cauto.runtime.dist_utils import free_port
 
     if not plans:
         return {}
-    jobs = [dict(name=key, model=name, kwargs={}, mesh=list(MESHES[key]), axis_names=["dp", "tp"][: len(MESHES[key])],
+    jobs = [dict(name=key, model=name, kwargs=kwargs or {}, mesh=list(MESHES[key]), axis_names=["dp", "tp"][: len(MESHES[key])],
                  check=None, plan=doc) for key, doc in plans.items()]
     with tempfile.TemporaryDirectory() as tmp:
         jobs_path, out = Path(tmp) / "jobs.json", Path(tmp) / "out.json"
@@ -327,7 +328,9 @@ def parity(name: str, plans: dict, timeout: float = 600.0) -> dict:
             rows[key] = {"error": lines[-1][:CELL], "trace": r["error"]}
         else:
             rows[key] = {"rel": max(d / abs(r["loss"]) for d in r["loss_diffs"]) if r["loss"] else max(r["loss_diffs"]),
-                         "loss_diffs": r["loss_diffs"], "loss": r["loss"], "grad_diff": r["grad_diff"]}
+                         "loss_diffs": r["loss_diffs"], "loss": r["loss"], "grad_diff": r["grad_diff"],
+                         "worst_grad": r.get("worst_grad"), "param_diff": r.get("param_diff"),
+                         "worst_param": r.get("worst_param")}
     return rows
 
 

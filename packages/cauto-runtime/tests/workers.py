@@ -100,6 +100,11 @@ def run_job(job: dict, mesh, captures: dict) -> dict:
         opt_ref.step()
         opt.zero_grad()
         opt_ref.zero_grad()
+        if step == 0:  # the first update: a gradient that matched but an optimizer step that did not shows here
+            diffs = {n: float((_full(p.detach()) - ref.get_parameter(n).detach()).abs().max())
+                     for n, p in m.named_parameters()}
+            out["param_diff"] = max(diffs.values(), default=0.0)
+            out["worst_param"] = max(diffs, key=diffs.get) if diffs else None
     out.update(loss=float(loss), loss_diffs=loss_diffs, grad_diff=grad_diff,
                mismatches=len(m.executable.mismatches), redistributions=len(m.executable.redistributions))
     if job.get("check") == "dcp":

@@ -336,15 +336,17 @@ def hf_convnext(batch: int = 2, image: int = 32, dims: tuple = (16, 32), depths:
 
 
 def hf_resnet(batch: int = 4, image: int = 32, dims: tuple = (16, 32, 64, 128), depths: tuple = (2, 2, 2, 2),
-              classes: int = 5):
+              classes: int = 5, dtype: str | None = None):
     """Stock transformers ResNetForImageClassification, ResNet-18's layout (basic blocks, 2-2-2-2) at
-    small widths: BatchNorm after every convolution."""
+    small widths: BatchNorm after every convolution. ``dtype``: 'float64' for parity checks below fp32 noise."""
     from transformers import ResNetConfig, ResNetForImageClassification
 
     config = ResNetConfig(embedding_size=dims[0], hidden_sizes=list(dims), depths=list(depths), layer_type="basic",
                           num_labels=classes)
-    return ResNetForImageClassification(config), {"pixel_values": torch.randn(batch, 3, image, image),
-                                                  "labels": torch.randint(0, classes, (batch,))}
+    floating = getattr(torch, dtype) if dtype else torch.float32
+    return ResNetForImageClassification(config).to(floating), {
+        "pixel_values": torch.randn(batch, 3, image, image).to(floating),
+        "labels": torch.randint(0, classes, (batch,))}
 
 
 ZOO = {"mlp": mlp, "cnn": cnn, "gpt": gpt, "llama": llama, "gpt2_small": gpt2_small, "hf_gpt2": hf_gpt2,
