@@ -59,3 +59,17 @@ def test_resnet_mesh4_plan_is_exact_in_fp64_and_never_splits_batch_norm_statisti
     row = bench_coverage.parity("hf_resnet", {"4": doc}, timeout=300.0, kwargs=kwargs)["4"]
     assert "error" not in row, row.get("trace")
     assert row["rel"] <= 1e-12, row
+
+
+@pytest.mark.slow  # 90 s on 2 shared cores; the 2-rank runtime test covers the library op in seconds
+def test_mixtral_trains_on_4_and_2x2_like_one_process():
+    """Mixtral's experts run the library op ``transformers::grouped_mm_fallback`` (before: refused as a
+    custom Function) and branch on the device (before: the meta capture's int32 histc, which CPU cannot
+    run). Its 2x2 plan's local program cannot be traced (DTensor reads a value redistributing a strided
+    shard in backward): apply runs that plan on DTensors instead, with a warning."""
+    r = bench_coverage.profile_and_plan("mixtral", eager=False, time_limit_s=20.0)
+    assert r["plan"] == {"4": "ok", "2x2": "ok"}, r["plan"]
+    rows = bench_coverage.parity("mixtral", r["plans"], timeout=300.0)
+    for key in ("4", "2x2"):
+        assert "error" not in rows[key], rows[key].get("trace")
+        assert rows[key]["rel"] <= 1e-5, rows[key]

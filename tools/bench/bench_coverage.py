@@ -285,17 +285,19 @@ def profile_and_plan(name: str, fraction: float = 0.6, meshes=("4", "2x2"), eage
     return out
 
 
-def parity(name: str, plans: dict, timeout: float = 600.0, kwargs: dict | None = None) -> dict:
+def parity(name: str, plans: dict, timeout: float = 600.0, kwargs: dict | None = None,
+           apply: dict | None = None) -> dict:
     """4 gloo ranks (this script's --worker, running the runtime tests' job) train each plan of ``plans``
     ({mesh key: plan document}) 3 AdamW steps beside one process, one mesh after the other in the same
     4 processes: {mesh key: {"rel": largest relative loss difference} or {"error": message}}. ``name`` is a
-    model of this script or of the profiler's zoo, called with ``kwargs``."""
+    model of this script or of the profiler's zoo, called with ``kwargs``; ``apply``: keywords of
+    ``cauto.runtime.apply`` (``{"lowering": "dtensor"}``)."""
     from cauto.runtime.dist_utils import free_port
 
     if not plans:
         return {}
     jobs = [dict(name=key, model=name, kwargs=kwargs or {}, mesh=list(MESHES[key]), axis_names=["dp", "tp"][: len(MESHES[key])],
-                 check=None, plan=doc) for key, doc in plans.items()]
+                 check=None, plan=doc, apply=apply or {}) for key, doc in plans.items()]
     with tempfile.TemporaryDirectory() as tmp:
         jobs_path, out = Path(tmp) / "jobs.json", Path(tmp) / "out.json"
         jobs_path.write_text(json.dumps(jobs))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -33,7 +34,7 @@ from cauto.runtime.dist_utils import local_slices, to_placements
 from cauto.runtime.errors import PlanMismatchError
 from cauto.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradSync
 from cauto.runtime.inputs import flat_inputs
-from cauto.runtime.lowering import LocalProgram
+from cauto.runtime.lowering import LocalProgram, LoweringError
 from cauto.runtime.materialize import build_skeleton, materialize
 from cauto.runtime.propagate import propagate
 
@@ -271,15 +272,15 @@ class _PlainGradPlacements(dict):
         return found
 
 
-def _replicated_as_plain(model: nn.Module, mesh: DeviceMesh) -> None:
+def _replicated_as_plain(model: nn.Module, mesh: DeviceMesh) -> bool:
     """When every parameter is replicated on every mesh axis (data parallelism), parameters become plain
     (their local tensor): the optimizer and the local program then treat them as DDP does, with no
     DTensor dispatch. Plans that shard any parameter keep all of them DTensors, as FSDP2 and tensor
-    parallelism do (a foreach optimizer refuses a mix of DTensors and plain tensors)."""
+    parallelism do (a foreach optimizer refuses a mix of DTensors and plain tensors). Returns whether it did."""
 
     params = list(model.parameters())
     if not all(isinstance(p, DTensor) and all(isinstance(q, Replicate) for q in p.placements) for p in params):
-        return
+        return False
     done: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, p in list(module._parameters.items()):
@@ -287,6 +288,7 @@ def _replicated_as_plain(model: nn.Module, mesh: DeviceMesh) -> None:
                 if id(p) not in done:
                     done[id(p)] = nn.Parameter(p._local_tensor.detach(), requires_grad=p.requires_grad)
                 module._parameters[name] = done[id(p)]
+    return True
 
 
 def check_fits(cap: Capture, plan: PlanDocument, mesh: DeviceMesh, *, chunked_ok: bool = False) -> None:
@@ -401,16 +403,35 @@ def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, 
         # region's ops once per level (torch.utils.checkpoint within checkpoint): the interpreter runs
         # what the plan predicts.
         lowering = "dtensor"
-    if lowering == "local":
-        _replicated_as_plain(model, mesh)
+    plain = lowering == "local" and _replicated_as_plain(model, mesh)
     lowered = LocalProgram(executable.module, mesh, compile=compile, plan_nodes=plan.nodes) if lowering == "local" else None
     module = ParallelModule(model, cap, plan, mesh, executable, bucket_bytes, lowered=lowered)
     if lowered is not None:
-        lowered.prepare(module._state, [(tuple(n.meta["val"].shape), n.meta["val"].dtype)
-                                        for n in cap.graph.nodes
-                                        if n.op == "placeholder" and cap.placeholders[n.name][0] == "input"])
+        try:
+            lowered.prepare(module._state, [(tuple(n.meta["val"].shape), n.meta["val"].dtype)
+                                            for n in cap.graph.nodes
+                                            if n.op == "placeholder" and cap.placeholders[n.name][0] == "input"])
+        except LoweringError as exc:
+            if plain or compile or not _asks_a_value(exc):
+                raise
+            # DTensor asked a tensor's value while the local program was traced (its redistribution of a
+            # strided shard in Mixtral's 2x2 backward): the same program runs on DTensors as written
+            warnings.warn(f"cauto: the local program could not be traced ({exc}); running the plan on DTensors "
+                          "(lowering='dtensor'), slower per step, the same computation", stacklevel=2)
+            module.grad_sync.remove()
+            module = ParallelModule(model, cap, plan, mesh, executable, bucket_bytes, lowered=None)
     module.optimizer = optimizer(module) if optimizer is not None else None
     return module
+
+
+def _asks_a_value(exc: BaseException) -> bool:
+    """True when the error, or one it came from, is an op that reads a tensor's value (``.item()``):
+    DTensor's internals under tracing, not the plan's placements."""
+    while exc is not None:
+        if "_local_scalar_dense" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _shared_seed() -> int:
