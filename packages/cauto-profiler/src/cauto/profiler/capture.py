@@ -167,6 +167,10 @@ def capture(fn: ModelFactory, *, stamp: bool | None = None, device: str | torch.
     """
     model, args, kwargs = build_on_meta(fn)
     device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        # fake CUDA tensors need CUDA (a CPU-only torch aborts tracing them): profiling a CUDA run on a
+        # machine without one traces on meta, whose device branches are those of no real device
+        device = torch.device("meta")
     model.train()
     wrapper = LossWrapper(model)
     mode = stamp_mode(stamp)
