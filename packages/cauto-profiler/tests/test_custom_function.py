@@ -87,3 +87,72 @@ def test_reentrant_checkpoint_is_refused_with_the_non_reentrant_way_out():
         capture(lambda: (ReentrantCheckpoint(), torch.randn(4, 8)))
     msg = str(info.value)
     assert "CheckpointFunction" in msg and "use_reentrant=False" in msg and "top-level forward" in msg
+
+
+@torch.library.custom_op("cauto_test::scaled_copy", mutates_args=())
+def scaled_copy(x: torch.Tensor) -> torch.Tensor:
+    """A library op whose registered backward (3 * grad) is not autodiff of its forward (2 * x)."""
+    return x * 2
+
+
+@scaled_copy.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _scaled_copy_backward(ctx, grad):
+    return grad * 3
+
+
+torch.library.register_autograd("cauto_test::scaled_copy", _scaled_copy_backward)
+
+
+class LibraryOpNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return scaled_copy(self.proj(x)).sum()
+
+
+def test_library_op_with_registered_autograd_is_one_node_not_a_refused_function():
+    """torch runs a library op's registered autograd through a generated autograd.Function
+    (torch._library.autograd): that is no user Function; the graph keeps the op as one node, whose
+    backward is the registered formula (before: refused as CustomFunctionError, Mixtral's experts)."""
+    cap = capture(lambda: (LibraryOpNet(), torch.randn(4, 8)))
+    targets = [str(n.target) for n in cap.graph.nodes if n.op == "call_function"]
+    assert "cauto_test.scaled_copy.default" in targets
+    assert "aten.mul.Tensor" not in targets  # its forward was not inlined
+    # a user's Function is still refused in the same process
+    with pytest.raises(CustomFunctionError):
+        capture(lambda: (Net(), torch.randn(4, 8)))
+
+
+class DeviceBranch(nn.Module):
+    """Counts like transformers' experts: a float copy on CPU, int32 elsewhere (histc has no CPU int)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 4)
+
+    def forward(self, x):
+        ids = self.proj(x).argmax(-1)
+        counts = torch.histc(ids.float() if ids.device.type == "cpu" else ids.int(), bins=4, min=0, max=3)
+        return (self.proj(x).sum(-1) * counts.sum()).sum()
+
+
+# meta stands for "not CPU" here: fake CUDA tensors need a CUDA build of torch
+@pytest.mark.parametrize("device, dtype", [("cpu", torch.float32), ("meta", torch.int32)])
+def test_capture_sees_the_device_the_program_runs_on(device, dtype):
+    """The model is built on meta but traced as fake tensors on the target device, so code that
+    branches on the device takes that device's branch (on meta it took the int32 one, which CPU's
+    histc cannot run); the program's device arguments stay meta."""
+    cap = capture(lambda: (DeviceBranch(), torch.randn(4, 8)), device=device)
+    (histc,) = [n for n in cap.graph.nodes if str(n.target) == "aten.histc.default"]
+    assert histc.args[0].meta["val"].dtype == dtype
+    devices = [a for n in cap.graph.nodes for a in torch.utils._pytree.tree_leaves((n.args, n.kwargs))
+               if isinstance(a, torch.device)]
+    assert devices and all(d.type == "meta" for d in devices)
+    assert all(p.device.type == "meta" for p in cap.model.parameters())
+    assert all(t.device.type == "meta" for t in cap.exported.state_dict.values())

@@ -40,3 +40,28 @@ def test_graph_documents_for_hf_models():
         doc = prof.to_graph()
         assert doc["fingerprint"] == prof.capture.fingerprint()
         assert doc["model"]["num_params"] == sum(p.numel() for p in prof.capture.model.parameters())
+
+
+def test_a_tensor_with_several_names_ties_each_to_the_name_the_graph_reads():
+    """T5 holds one embedding under four names (shared, encoder and decoder embed_tokens, lm_head): every
+    other name is tied to the one placeholder the graph reads, never to another unread name (before: a
+    chain, and the solver gave the unread links placements of their own, which the runtime stored)."""
+    import torch
+    from torch import nn
+
+    class FourNames(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.shared = nn.Embedding(16, 8)
+            self.enc = nn.Module()
+            self.dec = nn.Module()
+            self.enc.embed = self.dec.embed = self.shared
+            self.head = nn.Linear(8, 16, bias=False)
+            self.head.weight = self.shared.weight
+
+        def forward(self, ids):
+            return self.head(self.dec.embed(ids)).sum()
+
+    cap = capture(lambda: (FourNames(), torch.randint(0, 16, (2, 4))))
+    read = {n.name for n in cap.graph.nodes if n.op == "placeholder" and n.users}
+    assert len(cap.tied) == 3 and set(cap.tied.values()) <= read and len(set(cap.tied.values())) == 1

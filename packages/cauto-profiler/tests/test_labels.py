@@ -193,7 +193,7 @@ def shape_problems(labels: dict, node: torch.fx.Node) -> list[str]:
             problems.append(f"label {s!r} for shape {shape}")
             continue
         for c, size in zip(s, shape):
-            if c != NEVER:
+            if c != NEVER and size != 0:  # an empty dim (CPU's no-training batch-norm statistics) splits into empties
                 sizes.setdefault(c, set()).add(size)
         if len(s.replace(NEVER, "")) != len(set(s.replace(NEVER, ""))):
             problems.append(f"label {s!r} repeats a letter")

@@ -89,7 +89,9 @@ def run_job(job: dict, mesh, captures: dict) -> dict:
                 if p.grad is None or want is None:  # frozen (Whisper's encoder positions): both or a mismatch
                     grad_diff = grad_diff if p.grad is None and want is None else float("inf")
                     continue
-                grad_diff = max(grad_diff, float((_full(p.grad) - want).abs().max()))
+                diff = float((_full(p.grad) - want).abs().max())
+                if diff > grad_diff:
+                    grad_diff, out["worst_grad"] = diff, name
         else:
             loss = m(*args, **kwargs)
             loss.backward()
@@ -98,6 +100,11 @@ def run_job(job: dict, mesh, captures: dict) -> dict:
         opt_ref.step()
         opt.zero_grad()
         opt_ref.zero_grad()
+        if step == 0:  # the first update: a gradient that matched but an optimizer step that did not shows here
+            diffs = {n: float((_full(p.detach()) - ref.get_parameter(n).detach()).abs().max())
+                     for n, p in m.named_parameters()}
+            out["param_diff"] = max(diffs.values(), default=0.0)
+            out["worst_param"] = max(diffs, key=diffs.get) if diffs else None
     out.update(loss=float(loss), loss_diffs=loss_diffs, grad_diff=grad_diff,
                mismatches=len(m.executable.mismatches), redistributions=len(m.executable.redistributions))
     if job.get("check") == "dcp":

@@ -1,7 +1,8 @@
 """One capture for profiler and runtime: a model factory -> an ATen forward graph with stable names.
 
 ``capture(fn)`` calls ``fn()`` on the meta device (nothing the size of the model is allocated),
-wraps the model so that the graph ends in the training loss, and exports it with
+wraps the model so that the graph ends in the training loss, and exports it, seen as fake tensors on
+the device the program will run on (model code that branches on the device takes the right branch), with
 ``torch.export.export(strict=False)`` (training IR: ATen ops that autograd can differentiate).
 Node names of that graph are the node ids of the graph document and of the plan, so the runtime,
 which captures the same factory again, executes exactly the nodes the solver planned. Models with a
@@ -121,6 +122,15 @@ class Capture:
     def graph(self) -> torch.fx.Graph:
         return self.exported.graph
 
+    def lifted_constant(self, placeholder: str) -> torch.Tensor | None:
+        """The value of a tensor constant the trace lifted into a graph input (a ``torch.tensor(...)``
+        literal in the model's forward: T5's attention), or None for any other placeholder. The graph
+        document calls it a buffer; it is no tensor of the model, so its value lives here."""
+        for spec in self.exported.graph_signature.input_specs:
+            if spec.arg.name == placeholder and spec.kind == InputKind.CONSTANT_TENSOR:
+                return self.exported.constants[spec.target]
+        return None
+
     def value_nodes(self) -> list[torch.fx.Node]:
         """Nodes that become graph-document nodes, in execution order."""
         return [n for n in self.graph.nodes if is_value_node(n)]
@@ -143,11 +153,17 @@ class Capture:
                 if isinstance(n.meta.get("custom"), dict) and CHECKPOINT_KEY in n.meta["custom"]}
 
 
-def capture(fn: ModelFactory, *, stamp: bool | None = None, autocast: torch.dtype | None = None) -> Capture:
-    """Build the model on meta, export its loss graph, and return the Capture.
+def capture(fn: ModelFactory, *, stamp: bool | None = None, device: str | torch.device = "cpu",
+            autocast: torch.dtype | None = None) -> Capture:
+    """Build the model on meta, export its loss graph as seen on ``device``, and return the Capture.
 
-    ``autocast`` (a dtype, e.g. torch.bfloat16): export under CPU autocast to it, the program a
-    mixed-precision plan runs (module docstring).
+    The model's tensors are meta, but the export sees them as fake tensors on ``device`` (the device
+    the program will run on: code that branches on it takes that branch, see :func:`on_fake_device`);
+    the program's device arguments are meta, as the profiler and the runtime expect.
+
+    ``autocast`` (a dtype, e.g. torch.bfloat16): export under autocast to it on that device, the
+    program a mixed-precision plan runs (autocast skips meta tensors: that is one more reason the
+    export sees fake tensors on a real device).
 
     Models with a repeated block (a ModuleList of identical layers) export only their first three
     blocks and stamp the others (:mod:`cauto.profiler.stamp`), giving the graph a whole-model export
@@ -155,14 +171,21 @@ def capture(fn: ModelFactory, *, stamp: bool | None = None, autocast: torch.dtyp
     ``CAUTO_STAMP=verify`` exports both ways and raises CaptureError if they differ.
     """
     model, args, kwargs = build_on_meta(fn)
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        # fake CUDA tensors need CUDA (a CPU-only torch aborts tracing them): profiling a CUDA run on a
+        # machine without one traces on meta, whose device branches are those of no real device
+        device = torch.device("meta")
+    if autocast is not None and device.type == "meta":
+        device = torch.device("cpu")  # autocast needs a real device type; the CPU's casts are the same ops
     model.train()
     wrapper = LossWrapper(model)
     mode = stamp_mode(stamp)
     exported, note = None, "stamping off"
     if mode != "off":
-        exported, note = stamped_export(wrapper, lambda: _export(wrapper, args, kwargs, autocast))
+        exported, note = stamped_export(wrapper, lambda: _export(wrapper, args, kwargs, device, autocast))
     if exported is None or mode == "verify":
-        whole = _export(wrapper, args, kwargs, autocast)
+        whole = _export(wrapper, args, kwargs, device, autocast)
         if exported is not None:
             diff = differences(exported, whole)
             if diff:
@@ -178,14 +201,17 @@ def capture(fn: ModelFactory, *, stamp: bool | None = None, autocast: torch.dtyp
     return cap
 
 
-def _export(wrapper: torch.nn.Module, args: tuple, kwargs: dict,
+def _export(wrapper: torch.nn.Module, args: tuple, kwargs: dict, device: torch.device,
             autocast: torch.dtype | None = None) -> torch.export.ExportedProgram:
-    """torch.export of the loss wrapper (checkpointed regions marked); CaptureError saying why not."""
-    if autocast is not None:
-        return _export_autocast(wrapper, args, kwargs, autocast)
+    """torch.export of the loss wrapper (checkpointed regions marked) seen on ``device``, under autocast
+    to ``autocast`` when given; CaptureError saying why not."""
+    casting = torch.autocast(device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
     try:
-        with refuse_autograd_functions(wrapper), mark_checkpoints(), _lazy_recompiles():
-            return torch.export.export(wrapper, args, kwargs, strict=False)
+        with refuse_autograd_functions(wrapper), mark_checkpoints(), _lazy_recompiles(), \
+                on_fake_device(wrapper, (args, kwargs), device) as ((fake_args, fake_kwargs), originals), casting:
+            exported = torch.export.export(wrapper, fake_args, fake_kwargs, strict=False)
+        _devices_to_meta(exported, device, originals)
+        return exported
     except CaptureError:
         raise
     except Exception as exc:  # torch raises many types here; the message is what the user needs
@@ -202,49 +228,61 @@ def _export(wrapper: torch.nn.Module, args: tuple, kwargs: dict,
         raise CaptureError(f"torch.export could not capture the model: {first}{hint}") from exc
 
 
-def _export_autocast(wrapper: torch.nn.Module, args: tuple, kwargs: dict,
-                     dtype: torch.dtype) -> torch.export.ExportedProgram:
-    """``_export`` under ``torch.autocast("cpu", dtype)``. Autocast skips meta tensors, so the wrapper is
-    exported as fake CPU tensors (no memory allocated either), and the graph is made to read as a meta
-    capture: device arguments and the program's state are the meta model's again."""
+@contextlib.contextmanager
+def on_fake_device(wrapper: torch.nn.Module, inputs: tuple[tuple, dict], device: torch.device):
+    """While exporting, the model's meta parameters and buffers and the meta inputs are fake tensors on
+    ``device``; yields the fake (args, kwargs) and the map from id(fake) to the meta tensor it stands for.
+
+    Model code may branch on the device it runs on (transformers' mixture of experts counts tokens per
+    expert with ``histc`` on a float copy on CPU, an int32 one elsewhere): a capture on meta takes the
+    branch of no real device and bakes it into the program. Fake tensors allocate nothing, like meta
+    ones, and report the device the program will run on. Afterwards the meta tensors are back in place
+    (ties kept: one fake per meta tensor) and the ExportedProgram's state is the meta tensors again.
+    """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    meta_state = {**dict(wrapper.named_parameters(remove_duplicate=False)),
-                  **dict(wrapper.named_buffers(remove_duplicate=False))}  # tied names too: tying is by identity
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        fake = _fake_cpu_copy(wrapper)
-        fargs, fkwargs = pytree.tree_map_only(torch.Tensor, lambda t: torch.empty_like(t, device="cpu"),
-                                              (args, kwargs))
-    with torch.autocast("cpu", dtype=dtype):
-        exported = _export(fake, fargs, fkwargs)
-    meta, cpu = torch.device("meta"), torch.device("cpu")
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes: dict[int, torch.Tensor] = {}
+    originals: dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in fakes:
+            made = mode.fake_tensor_converter.from_meta_and_device(mode, t.detach(), device)
+            if isinstance(t, torch.nn.Parameter):
+                made = torch.nn.Parameter(made, requires_grad=t.requires_grad)
+            fakes[id(t)], originals[id(made)] = made, t
+        return fakes[id(t)]
+
+    swapped = []
+    for module in wrapper.modules():
+        for slots in (module._parameters, module._buffers):
+            for name, t in slots.items():
+                if t is not None and t.device.type == "meta":
+                    swapped.append((slots, name, t))
+                    slots[name] = fake(t)
+    try:
+        yield pytree.tree_map(lambda x: fake(x) if isinstance(x, torch.Tensor) and x.device.type == "meta" else x,
+                              inputs), originals
+    finally:
+        for slots, name, t in swapped:
+            slots[name] = t
+
+
+def _devices_to_meta(exported: torch.export.ExportedProgram, device: torch.device,
+                     originals: dict[int, torch.Tensor]) -> None:
+    """The captured program as a meta capture writes it: ``device`` arguments (factory ops, ``to``)
+    become meta (the runtime and the profiler put their own device there), and the state dict holds
+    the model's meta tensors, not the fakes the export saw."""
+    meta = torch.device("meta")
     for node in exported.graph.nodes:
-        node.args, node.kwargs = pytree.tree_map_only(torch.device, lambda d: meta if d == cpu else d,
-                                                      (node.args, node.kwargs))
-    for name in list(exported.state_dict):
-        if name in meta_state:
-            exported.state_dict[name] = meta_state[name]
+        if node.op != "call_function":
+            continue
+        node.args, node.kwargs = pytree.tree_map(
+            lambda a: meta if isinstance(a, torch.device) and a == device else a, (node.args, node.kwargs))
+    state = exported.state_dict
+    for key, t in list(state.items()):
+        state[key] = originals.get(id(t), t)
     exported.graph_module.recompile()
-    return exported
-
-
-def _fake_cpu_copy(wrapper: torch.nn.Module) -> torch.nn.Module:
-    """A copy of the meta wrapper whose parameters and buffers are fake CPU tensors (call it under a
-    FakeTensorMode), same names, tied parameters still tied."""
-    import copy
-
-    fake = copy.deepcopy(wrapper)
-    made: dict[int, torch.Tensor] = {}
-    for module in fake.modules():
-        for name, t in list(module._parameters.items()) + list(module._buffers.items()):
-            if t is None:
-                continue
-            if id(t) not in made:
-                new = torch.empty_like(t, device="cpu")
-                made[id(t)] = torch.nn.Parameter(new, requires_grad=t.requires_grad) \
-                    if isinstance(t, torch.nn.Parameter) else new
-            (module._parameters if name in module._parameters else module._buffers)[name] = made[id(t)]
-    return fake
 
 
 @contextlib.contextmanager
@@ -256,12 +294,18 @@ def refuse_autograd_functions(wrapper: torch.nn.Module):
     estimator would silently train another model). Capture cannot keep a Function as one node (the
     profiler, the solver and the runtime all work on ATen ops), so it refuses the model by the
     Function's name and the module that calls it.
+
+    The Functions torch generates for a ``torch.library`` custom op with a registered autograd
+    formula (:func:`is_registered_op_function`) pass: they are how torch runs a registered op's
+    autograd, the graph keeps the op as one node, and its backward is the registered formula.
     """
     function = torch.autograd.Function
     original = function.__dict__["apply"]
     names = {id(m): name for name, m in wrapper.named_modules()}
 
     def refuse(cls, *args, **kwargs):
+        if is_registered_op_function(cls):
+            return original.__func__(cls, *args, **kwargs)
         raise CustomFunctionError(_custom_function_message(cls, _calling_module(names)))
 
     function.apply = classmethod(refuse)
@@ -269,6 +313,13 @@ def refuse_autograd_functions(wrapper: torch.nn.Module):
         yield
     finally:
         function.apply = original
+
+
+def is_registered_op_function(cls: type) -> bool:
+    """True for the autograd.Function torch builds for a ``torch.library`` op's registered autograd
+    (``torch._library.autograd.make_autograd_impl``: ``GeneratedBackwardFor_<namespace>_<op>_<overload>``),
+    never for a Function a user wrote."""
+    return cls.__module__ == "torch._library.autograd" and cls.__qualname__.startswith("GeneratedBackwardFor_")
 
 
 def _calling_module(names: dict[int, str]) -> str:
@@ -414,6 +465,11 @@ def _placeholders(exported: torch.export.ExportedProgram) -> tuple[dict, dict]:
             by_identity[key] = canonical
         else:
             by_identity[key] = name
+    # Three or more names of one tensor (T5: shared, encoder and decoder embeddings, lm_head) leave a chain
+    # of placeholders the graph never reads; each must name the one it does read, whose placement it has.
+    for other in tied:
+        while tied[other] in tied:
+            tied[other] = tied[tied[other]]
     return places, tied
 
 

@@ -261,11 +261,13 @@ def layer_norm(op: OpView) -> Labels:
 
 
 def batch_norm(op: OpView) -> Labels:
-    """batch_norm: statistics span batch and spatial dims, so only channels (dim 1) split."""
+    """batch_norm: statistics span batch and spatial dims, so only channels (dim 1) split. The saved
+    statistics are per channel, or empty (CPU's ``_native_batch_norm_legit_no_training``), which DTensor
+    places like per-channel ones."""
     shape = op.inputs[0]
     x = NEVER + ("c" if shape[1] != 1 else NEVER) + NEVER * (len(shape) - 2)
     params = ["c" if len(s) == 1 and s[0] == shape[1] else NEVER * len(s) for s in op.inputs[1:]]
-    outputs = [x if out == shape else ("c" if len(out) == 1 and out[0] == shape[1] else NEVER * len(out))
+    outputs = [x if out == shape else ("c" if len(out) == 1 and out[0] in (shape[1], 0) else NEVER * len(out))
                for out in op.outputs]
     return _make([x, *params], outputs, "norm")
 

@@ -984,7 +984,7 @@ def profile(fn: Callable, *, train: bool = True, optimizer: str = "adamw", devic
     if cap is None:
         if progress is not None:
             progress("capture", 0, 1)
-        cap = capture(with_dtype(fn, dtype), autocast=_AUTOCAST[autocast])
+        cap = capture(with_dtype(fn, dtype), device=device, autocast=_AUTOCAST[autocast])
     if progress is not None:
         progress("capture", 1, 1)
     dm = get_device_model(device_model, device)

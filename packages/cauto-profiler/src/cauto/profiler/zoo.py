@@ -259,6 +259,22 @@ def hf_llama(batch: int = 2, seq: int = 32, vocab: int = 256, dim: int = 64, lay
     return model, _hf_tokens(batch, seq, vocab)
 
 
+def hf_mixtral(batch: int = 2, seq: int = 16, vocab: int = 128, dim: int = 32, layers: int = 1, heads: int = 4,
+               kv_heads: int = 2, hidden: int = 64, experts: int = 4, top_k: int = 2):
+    """Stock transformers MixtralForCausalLM (mixture of experts) from a config (random init).
+
+    Its experts count tokens per expert by the device they run on and multiply through the
+    ``transformers::grouped_mm_fallback`` library op (one graph node, its registered backward)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(vocab_size=vocab, hidden_size=dim, intermediate_size=hidden, num_hidden_layers=layers,
+                           num_attention_heads=heads, num_key_value_heads=kv_heads,
+                           max_position_embeddings=max(seq, 32), num_local_experts=experts,
+                           num_experts_per_tok=top_k, router_aux_loss_coef=0.0, bos_token_id=0, eos_token_id=0,
+                           pad_token_id=0)
+    return MixtralForCausalLM(config), _hf_tokens(batch, seq, vocab)
+
+
 def hf_llama2_7b(batch: int = 1, seq: int = 4096):
     """Llama-2-7B shapes (32 layers, 4096 hidden, 11008 MLP, 32000 vocab) in bf16."""
     return hf_llama(batch=batch, seq=seq, vocab=32000, dim=4096, layers=32, heads=32, kv_heads=32, hidden=11008,
@@ -328,17 +344,20 @@ def hf_convnext(batch: int = 2, image: int = 32, dims: tuple = (16, 32), depths:
 
 
 def hf_resnet(batch: int = 4, image: int = 32, dims: tuple = (16, 32, 64, 128), depths: tuple = (2, 2, 2, 2),
-              classes: int = 5):
+              classes: int = 5, dtype: str | None = None):
     """Stock transformers ResNetForImageClassification, ResNet-18's layout (basic blocks, 2-2-2-2) at
-    small widths: BatchNorm after every convolution."""
+    small widths: BatchNorm after every convolution. ``dtype``: 'float64' for parity checks below fp32 noise."""
     from transformers import ResNetConfig, ResNetForImageClassification
 
     config = ResNetConfig(embedding_size=dims[0], hidden_sizes=list(dims), depths=list(depths), layer_type="basic",
                           num_labels=classes)
-    return ResNetForImageClassification(config), {"pixel_values": torch.randn(batch, 3, image, image),
-                                                  "labels": torch.randint(0, classes, (batch,))}
+    floating = getattr(torch, dtype) if dtype else torch.float32
+    return ResNetForImageClassification(config).to(floating), {
+        "pixel_values": torch.randn(batch, 3, image, image).to(floating),
+        "labels": torch.randint(0, classes, (batch,))}
 
 
-ZOO = {"mlp": mlp, "mlp_finetune": mlp_finetune, "cnn": cnn, "gpt": gpt, "llama": llama, "gpt2_small": gpt2_small, "hf_gpt2": hf_gpt2,
-       "hf_llama": hf_llama, "hf_bert": hf_bert, "hf_llama2_7b": hf_llama2_7b, "hf_clip": hf_clip,
+ZOO = {"mlp": mlp, "mlp_finetune": mlp_finetune, "cnn": cnn, "gpt": gpt, "llama": llama, "gpt2_small": gpt2_small,
+       "hf_gpt2": hf_gpt2, "hf_llama": hf_llama, "hf_mixtral": hf_mixtral, "hf_bert": hf_bert,
+       "hf_llama2_7b": hf_llama2_7b, "hf_clip": hf_clip,
        "hf_t5": hf_t5, "hf_swin": hf_swin, "hf_convnext": hf_convnext, "hf_resnet": hf_resnet}

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from cauto.plan import PlanDocument, load_plan
 from cauto.plan.validate import check_plan_against_graph
@@ -33,7 +34,7 @@ from cauto.runtime.dist_utils import local_slices, to_placements
 from cauto.runtime.errors import PlanMismatchError
 from cauto.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradSync
 from cauto.runtime.inputs import flat_inputs
-from cauto.runtime.lowering import LocalProgram
+from cauto.runtime.lowering import LocalProgram, LoweringError
 from cauto.runtime.materialize import build_skeleton, materialize
 from cauto.runtime.propagate import propagate
 
@@ -147,6 +148,10 @@ class ParallelModule(nn.Module):
 
     def _lookup(self, node):
         kind, fqn = self.capture.placeholders[node.name]
+        constant = self.capture.lifted_constant(node.name)
+        if constant is not None:  # a constant of the trace, not a buffer of the model: replicated, on the device
+            return DTensor.from_local(constant.to(self.mesh.device_type), self.mesh,
+                                      [Replicate()] * self.mesh.ndim, run_check=False)
         if kind == "param" and fqn in self._shards:
             return self._shards[fqn]
         if kind == "param":
@@ -278,16 +283,15 @@ class _PlainGradPlacements(dict):
         return found
 
 
-def _replicated_as_plain(model: nn.Module, mesh: DeviceMesh) -> None:
+def _replicated_as_plain(model: nn.Module, mesh: DeviceMesh) -> bool:
     """When every parameter is replicated on every mesh axis (data parallelism), parameters become plain
     (their local tensor): the optimizer and the local program then treat them as DDP does, with no
     DTensor dispatch. Plans that shard any parameter keep all of them DTensors, as FSDP2 and tensor
-    parallelism do (a foreach optimizer refuses a mix of DTensors and plain tensors)."""
-    from torch.distributed.tensor import Replicate
+    parallelism do (a foreach optimizer refuses a mix of DTensors and plain tensors). Returns whether it did."""
 
     params = list(model.parameters())
     if not all(isinstance(p, DTensor) and all(isinstance(q, Replicate) for q in p.placements) for p in params):
-        return
+        return False
     done: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, p in list(module._parameters.items()):
@@ -295,6 +299,7 @@ def _replicated_as_plain(model: nn.Module, mesh: DeviceMesh) -> None:
                 if id(p) not in done:
                     done[id(p)] = nn.Parameter(p._local_tensor.detach(), requires_grad=p.requires_grad)
                 module._parameters[name] = done[id(p)]
+    return True
 
 
 def check_fits(cap: Capture, plan: PlanDocument, mesh: DeviceMesh, *, chunked_ok: bool = False) -> None:
@@ -360,7 +365,7 @@ def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, 
         raise TypeError("apply takes a factory returning (model, inputs), not a built model: cauto builds the "
                         "model on the meta device and gives each rank only its shards")
     fn = model_or_fn
-    cap = captured if captured is not None else capture(fn, autocast=compute_dtype(plan))
+    cap = captured if captured is not None else capture(fn, device=mesh.device_type, autocast=compute_dtype(plan))
     check_fits(cap, plan, mesh, chunked_ok=True)
     if seed is None and state_dict is None:
         seed = _shared_seed()
@@ -384,10 +389,10 @@ def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, 
         config.use_cache = False
     placements = {cap.placeholders[pid][1]: ",".join(entry["placements"]) for pid, entry in plan.params.items()}
     for pid, (kind, fqn) in cap.placeholders.items():
-        if kind == "param" and fqn not in placements:
-            canonical = cap.tied.get(pid)
-            if canonical in plan.params:
-                placements[fqn] = ",".join(plan.params[canonical]["placements"])
+        canonical = cap.tied.get(pid)
+        if kind == "param" and canonical in plan.params:
+            # one tensor, several names: it is stored as the program reads it, the name the graph uses
+            placements[fqn] = ",".join(plan.params[canonical]["placements"])
     materialize(model, fills, mesh, placements, seed=seed, state_dict=state_dict)
     propagation = None
     if check_placements:
@@ -414,16 +419,26 @@ def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, 
         # region's ops once per level (torch.utils.checkpoint within checkpoint): the interpreter runs
         # what the plan predicts.
         lowering = "dtensor"
-    if lowering == "local":
-        _replicated_as_plain(model, mesh)
+    plain = lowering == "local" and _replicated_as_plain(model, mesh)
     lowered = LocalProgram(executable.module, mesh, compile=compile, plan_nodes=plan.nodes,
                            autocast_dtype=compute) if lowering == "local" else None
     module = ParallelModule(model, cap, plan, mesh, executable, bucket_bytes, lowered=lowered)
     module.autocast_dtype = compute
     if lowered is not None:
-        lowered.prepare(module._state, [(tuple(n.meta["val"].shape), n.meta["val"].dtype)
-                                        for n in cap.graph.nodes
-                                        if n.op == "placeholder" and cap.placeholders[n.name][0] == "input"])
+        try:
+            lowered.prepare(module._state, [(tuple(n.meta["val"].shape), n.meta["val"].dtype)
+                                            for n in cap.graph.nodes
+                                            if n.op == "placeholder" and cap.placeholders[n.name][0] == "input"])
+        except LoweringError as exc:
+            if plain or compile or not _asks_a_value(exc):
+                raise
+            # DTensor asked a tensor's value while the local program was traced (its redistribution of a
+            # strided shard in Mixtral's 2x2 backward): the same program runs on DTensors as written
+            warnings.warn(f"cauto: the local program could not be traced ({exc}); running the plan on DTensors "
+                          "(lowering='dtensor'), slower per step, the same computation", stacklevel=2)
+            module.grad_sync.remove()
+            module = ParallelModule(model, cap, plan, mesh, executable, bucket_bytes, lowered=None)
+            module.autocast_dtype = compute
     module.optimizer = optimizer(module) if optimizer is not None else None
     return module
 
@@ -435,6 +450,16 @@ def compute_dtype(plan: PlanDocument | Mapping) -> torch.dtype | None:
     execution = plan.execution if isinstance(plan, PlanDocument) else plan.get("execution")
     mixed = (execution or {}).get("mixed_precision")
     return None if mixed is None else getattr(torch, mixed["compute_dtype"])
+
+
+def _asks_a_value(exc: BaseException) -> bool:
+    """True when the error, or one it came from, is an op that reads a tensor's value (``.item()``):
+    DTensor's internals under tracing, not the plan's placements."""
+    while exc is not None:
+        if "_local_scalar_dense" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _shared_seed() -> int:

@@ -11,7 +11,8 @@ graph-signature order) is copied node for node, names kept, and rewritten:
 * where DTensor's natural output placement differs from the plan (found before the first step by
   ``propagate``), the output is redistributed to the planned placement and the mismatch recorded;
 * a few ATen ops without DTensor sharding rules on this device are replaced by ``ops`` versions
-  that run locally on each shard (e.g. attention with batch or heads sharded);
+  that run locally on each shard (e.g. attention with batch or heads sharded), and ops registered
+  with ``torch.library`` outside torch (no sharding rule at all) run replicated (``ops.replicated_op``);
 * checkpoint regions become calls of ``torch.utils.checkpoint.checkpoint`` on sub-GraphModules;
 * parameters whose shards live in chunks are fetched and released around their uses (chunks/fetch.py).
 
@@ -201,6 +202,12 @@ def build(cap: Capture, plan: PlanDocument, mesh: DeviceMesh, device: torch.devi
         if node.target in ops.SUBSTITUTES:
             node.target = ops.SUBSTITUTES[node.target]
         outs = planned(node.name, "outputs")
+        if ops.is_library_op(node.target):
+            if any(p != replicated for p in [*wanted, *outs]):
+                raise ValueError(f"plan.nodes[{node.name!r}] places the library op {node.target} (no sharding rule) "
+                                 f"{wanted} -> {outs}; it runs only replicated: solve the plan again")
+            node.args = (node.target, *node.args)
+            node.target = ops.replicated_op
         node.meta["cauto_comment"] = _join(outs) if len(outs) == 1 else " | ".join(outs)
         if node.name in result.hidden:
             inside = ", ".join(f"{op} x{n}" for op, n in result.hidden[node.name].items())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.utils._pytree as pytree
 import torch.utils.checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -207,8 +208,71 @@ def sdpa(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: b
                                   stride=_stride_like(out, shape))
 
 
-#: ATen ops that DTensor cannot shard on some devices, replaced by the function above (same signature)
-SUBSTITUTES = {torch.ops.aten.scaled_dot_product_attention.default: sdpa}
+def lift_fresh_copy(x: torch.Tensor) -> torch.Tensor:
+    """``aten.lift_fresh_copy`` (the copy a trace makes of a tensor constant it lifted, T5's) as the clone it
+    is: DTensor has no rule for the lift, it has one for clone."""
+    return torch.ops.aten.clone.default(x)
+
+
+def fill_tensor_(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``aten.fill_.Tensor`` (fill with a 0-dim tensor: T5 writes its decoder start token so) as the copy of
+    the value broadcast to ``x`` that it is: DTensor has a rule for that copy (a replicated value becomes
+    any placement of ``x`` by slicing), none for the fill."""
+    return torch.ops.aten.copy_.default(x, value.expand(x.shape))
+
+
+def cat(tensors: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """``aten.cat`` without the legacy empty inputs (1-dim, 0 elements) that torch's cat skips and DTensor's
+    rule cannot (it checks ``dim`` against each input: T5's empty key/value caches, ``torch.tensor([])``)."""
+    kept = [t for t in tensors if not (t.dim() == 1 and t.shape[0] == 0)]
+    return torch.ops.aten.cat.default(kept if kept else tensors, dim)
+
+
+def adaptive_avg_pool1d(x: torch.Tensor, output_size: list[int]) -> torch.Tensor:
+    """``aten.adaptive_avg_pool1d`` to one output: the mean over the last dim that the CPU kernel computes
+    (same values, same gradient), without the ``as_strided_`` it then applies to an input it takes for
+    channels-last (Swin's pooler: a transposed input), which DTensor has no rule for on any placement."""
+    if list(output_size) == [1]:
+        return torch.ops.aten.mean.dim(x, [-1], True)
+    return torch.ops.aten.adaptive_avg_pool1d.default(x, output_size)
+
+
+#: ATen ops that DTensor cannot shard (on some devices), replaced by the functions above (same signature)
+SUBSTITUTES = {torch.ops.aten.cat.default: cat, torch.ops.aten.adaptive_avg_pool1d.default: adaptive_avg_pool1d,
+               torch.ops.aten.scaled_dot_product_attention.default: sdpa,
+               torch.ops.aten.lift_fresh_copy.default: lift_fresh_copy,
+               torch.ops.aten.fill_.Tensor: fill_tensor_}
+
+#: operator namespaces whose ops DTensor has sharding rules for (or that the runtime itself emits)
+_TORCH_NAMESPACES = {"aten", "prims", "_c10d_functional", "c10d_functional", "_dtensor", "cauto"}
+
+
+def is_library_op(target: object) -> bool:
+    """True for an op registered with ``torch.library`` outside torch (``transformers::grouped_mm_fallback``):
+    DTensor has no sharding rule for it, so it runs replicated (:func:`replicated_op`)."""
+    return isinstance(target, torch._ops.OpOverload) and target.namespace not in _TORCH_NAMESPACES
+
+
+def replicated_op(op: torch._ops.OpOverload, *args, **kwargs):
+    """``op`` run on the local tensors of its replicated DTensor inputs; its outputs replicated DTensors.
+
+    Every rank holds the whole inputs and computes the whole outputs, as one process would. The op's
+    own autograd (its registered backward, itself possibly another library op) runs on the local
+    tensors; ``to_local``/``from_local`` carry the gradient across (a Partial output gradient is
+    reduced to Replicate first)."""
+    dtensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, DTensor)]
+    if not dtensors:
+        return op(*args, **kwargs)
+    mesh = dtensors[0].device_mesh
+    bad = [a.placements for a in dtensors if any(not p.is_replicate() for p in a.placements)]
+    if bad:
+        raise RuntimeError(f"{op} has no sharding rule and runs replicated, but an input is placed {bad[0]}")
+    replicate_all = [Replicate()] * mesh.ndim
+    local_args, local_kwargs = pytree.tree_map(lambda a: a.to_local() if isinstance(a, DTensor) else a,
+                                               (args, kwargs))
+    out = op(*local_args, **local_kwargs)
+    return pytree.tree_map(lambda t: DTensor.from_local(t, mesh, replicate_all, run_check=False)
+                           if isinstance(t, torch.Tensor) else t, out)
 
 
 def checkpointed(region: torch.nn.Module, *args):

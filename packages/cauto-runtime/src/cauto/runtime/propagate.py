@@ -22,7 +22,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from cauto.profiler.capture import Capture, is_value_node, output_tensors, tensor_inputs
 from cauto.runtime.dist_utils import local_slices, placements_text, to_placements
-from cauto.runtime.ops import SUBSTITUTES
+from cauto.runtime.ops import SUBSTITUTES, is_library_op, replicated_op
 from cauto.runtime.verify import executed_counts
 
 
@@ -92,6 +92,8 @@ def propagate(cap: Capture, mesh: DeviceMesh, placeholders: dict[str, str], *,
             continue
         distributed = any(isinstance(v, DTensor) for v in values)
         planned = (node_inputs or {}).get(node.name)
+        if planned is None and is_library_op(node.target):  # it runs only replicated (ops.replicated_op)
+            planned = [replicated] * len(values)
         placed = []
         for k, v in enumerate(values):
             if distributed and not isinstance(v, DTensor):
@@ -103,7 +105,10 @@ def propagate(cap: Capture, mesh: DeviceMesh, placeholders: dict[str, str], *,
         args, kwargs = _substitute(node, placed, env)
         try:
             with CommDebugMode() as comms:
-                out = SUBSTITUTES.get(node.target, node.target)(*args, **kwargs)
+                if is_library_op(node.target):
+                    out = replicated_op(node.target, *args, **kwargs)
+                else:
+                    out = SUBSTITUTES.get(node.target, node.target)(*args, **kwargs)
         except Exception as exc:  # DTensor raises many types for unsupported ops; record and go on
             result.failed[node.name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             env[node] = None

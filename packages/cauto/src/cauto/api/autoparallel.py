@@ -112,7 +112,7 @@ def plan_for(fn: Callable, mesh_shape: Sequence[int], options: PlanOptions | Non
                                offload_axes=offload_axes, time_limit_s=time_limit_s,
                                mixed_precision=mixed_precision, reduce_dtype=reduce_dtype)
     autocast = profiled_autocast(options)
-    cap = capture(fn, autocast=getattr(torch, DTYPE_NAMES[autocast]) if autocast else None)
+    cap = capture(fn, device=device, autocast=getattr(torch, DTYPE_NAMES[autocast]) if autocast else None)
     key = PlanCache.key(cap.fingerprint(), cluster.to_dict(),
                         {**options.to_dict(), "optimizer": optimizer, "device": device, "mesh": list(mesh_shape),
                          "axis_names": list(cluster.axis_names)})
