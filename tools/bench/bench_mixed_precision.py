@@ -56,11 +56,8 @@ def gpt2():
 
 
 def vit():
-    from transformers import ViTConfig, ViTForImageClassification
-    config = ViTConfig(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                       intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=5)
-    return ViTForImageClassification(config), {"pixel_values": torch.randn(B, 3, 32, 32),
-                                               "labels": torch.randint(0, 5, (B,))}
+    from cauto.profiler.zoo import hf_vit
+    return hf_vit(batch=B)
 
 
 def speed_gpt():

@@ -319,6 +319,18 @@ def hf_t5(batch: int = 2, seq: int = 16, target: int = 8, vocab: int = 64, dim: 
                                                 "labels": torch.randint(2, vocab, (batch, target))}
 
 
+def hf_vit(batch: int = 4, image: int = 32, patch: int = 8, dim: int = 32, layers: int = 2, heads: int = 4,
+           classes: int = 5):
+    """A small Hugging Face ViT image classifier (no dropout), random weights, with labels."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = ViTConfig(image_size=image, patch_size=patch, hidden_size=dim, num_hidden_layers=layers,
+                       num_attention_heads=heads, intermediate_size=2 * dim, hidden_dropout_prob=0.0,
+                       attention_probs_dropout_prob=0.0, num_labels=classes)
+    return ViTForImageClassification(config), {"pixel_values": torch.randn(batch, 3, image, image),
+                                               "labels": torch.randint(0, classes, (batch,))}
+
+
 def hf_swin(batch: int = 2, image: int = 32, dim: int = 16, depths: tuple = (1, 1), heads: tuple = (2, 2),
             window: int = 4, classes: int = 5):
     """Stock transformers SwinForImageClassification (hierarchical vision) from a config (dropout and
@@ -360,4 +372,4 @@ def hf_resnet(batch: int = 4, image: int = 32, dims: tuple = (16, 32, 64, 128), 
 ZOO = {"mlp": mlp, "mlp_finetune": mlp_finetune, "cnn": cnn, "gpt": gpt, "llama": llama, "gpt2_small": gpt2_small,
        "hf_gpt2": hf_gpt2, "hf_llama": hf_llama, "hf_mixtral": hf_mixtral, "hf_bert": hf_bert,
        "hf_llama2_7b": hf_llama2_7b, "hf_clip": hf_clip,
-       "hf_t5": hf_t5, "hf_swin": hf_swin, "hf_convnext": hf_convnext, "hf_resnet": hf_resnet}
+       "hf_t5": hf_t5, "hf_vit": hf_vit, "hf_swin": hf_swin, "hf_convnext": hf_convnext, "hf_resnet": hf_resnet}
