@@ -23,4 +23,5 @@ for step in range(5):
     opt.zero_grad()
     if dist.get_rank() == 0:
         print(f"step {step} loss {loss.item():.4f}")
+dist.barrier()  # every rank done with its collectives before any tears its process group down
 dist.destroy_process_group()

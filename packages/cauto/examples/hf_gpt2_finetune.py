@@ -104,4 +104,5 @@ for step in range(start, args.steps):
             print(f"saved {path}")
 if rank == 0:
     print(f"batch slice {part}; predicted peak per rank {model.predictions['peak_bytes'] / 2**20:.1f} MiB")
+dist.barrier()  # every rank done with its collectives before any tears its process group down
 dist.destroy_process_group()
