@@ -47,20 +47,10 @@ class ChunkedState:
         mgr = opt.manager
         kinds = [EXP_AVG, EXP_AVG_SQ] + ([MASTER] if mgr.has_master else [PARAM])
         for i in self.owned:
-            for kind in kinds:
-                c = mgr.chunks[(kind, i)]
-                if c.fixed:
-                    mgr.payload(c).copy_(mgr.host_view(c))
-                    mgr.mark_dirty(c)
-                else:
-                    mgr.drop_device(c)
-            if mgr.has_master:
-                low = mgr.chunks[(PARAM, i)]
-                mgr.drop_device(low) if not low.fixed else None
-                mgr.host_view(low).copy_(mgr.host_view(mgr.chunks[(MASTER, i)]))
-                if low.fixed:
-                    mgr.payload(low).copy_(mgr.host_view(low))
-            mgr._repoint(mgr.chunks[(PARAM, i)])
+            if mgr.has_master:  # the compute-dtype parameters from the fp32 master that was read
+                mgr.host_view(mgr.chunks[(PARAM, i)]).copy_(mgr.host_view(mgr.chunks[(MASTER, i)]))
+            for kind in kinds + ([PARAM] if mgr.has_master else []):
+                mgr.host_written(mgr.chunks[(kind, i)])
         for i in range(mgr.layout.num_chunks):  # gathered copies of other ranks' chunks are stale now
             c = mgr.chunks[(PARAM, i)]
             if not mgr.owned(i) and c.present and not c.pins:

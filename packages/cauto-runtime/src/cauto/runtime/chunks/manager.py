@@ -342,6 +342,16 @@ class ChunkManager:
         c.host, c.present, c.zero, c.dirty = None, False, False, False
         self._repoint(c)
 
+    def host_written(self, c: Chunk) -> None:
+        """The chunk's host copy was just written (a checkpoint loaded into it): a device copy that must
+        stay (fixed optimizer state) takes it, any other is dropped, and parameters view the new values."""
+        if c.fixed:
+            self.payload(c).copy_(self.host_view(c))
+            self.mark_dirty(c)
+        else:
+            self.drop_device(c)
+        self._repoint(c)
+
     def mark_dirty(self, c: Chunk) -> None:
         """Record that the device copy was written."""
         if c.dev_off is not None:

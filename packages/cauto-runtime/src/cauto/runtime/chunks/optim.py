@@ -211,11 +211,7 @@ class ChunkedAdam:
             kind, i = name.split("/")
             c = mgr.chunks[(kind, int(i))]
             mgr.host_view(c).copy_(t)
-            if c.fixed:
-                mgr.payload(c).copy_(t)
-            else:
-                mgr.drop_device(c)
-            mgr._repoint(c)
+            mgr.host_written(c)
         self.steps = dict(state["steps"])
         self.loss_scale = state["loss_scale"]
         for g, saved in zip(self.param_groups, state["param_groups"]):
