@@ -3,7 +3,7 @@
 For many placement pairs on 1-D and 2-D meshes (nested shards, Shard(d) -> Shard(d'), Partial on
 several axes), redistribute a DTensor under CommDebugMode on torch's fake process group (one
 process, world size 4) and compare the collectives counted per type with what
-``cauto.solver.reshard.reshard`` predicts for the same pair.
+``cauto.solver.cost.reshard.reshard`` predicts for the same pair.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard  # noqa: E402
 from torch.distributed.tensor.debug import CommDebugMode  # noqa: E402
 
-from cauto.solver.reshard import reshard  # noqa: E402
+from cauto.solver.cost.reshard import reshard  # noqa: E402
 
 WORLD = 4
 SHAPE = (8, 8, 4)
@@ -115,7 +115,7 @@ BACKWARD = [  # (forward src, forward dst, gradient arriving at dst)
 @pytest.mark.parametrize("src,dst,grad", BACKWARD, ids=[f"{','.join(a)}->{','.join(b)}|{','.join(g)}"
                                                          for a, b, g in BACKWARD])
 def test_backward_of_redistribute(meshes, src, dst, grad):
-    from cauto.solver.reshard import backward_target
+    from cauto.solver.cost.reshard import backward_target
 
     mesh = meshes[len(src)]
     x = _dtensor(mesh, src).requires_grad_(True)

@@ -5,7 +5,7 @@
 What it measures (torch, gloo on loopback, one thread per rank):
 * collectives: all-reduce, all-gather and reduce-scatter over ``--world`` spawned ranks for
   messages of 16 KiB .. 16 MiB; α (latency) and β (1/bandwidth) are fitted by least squares on the
-  α-β model of cauto.solver.reshard (all-gather/reduce-scatter α + β·B·(n−1)/n, all-reduce twice).
+  α-β model of cauto.solver.cost.reshard (all-gather/reduce-scatter α + β·B·(n−1)/n, all-reduce twice).
 * device: matmul FLOP/s (median of square fp32 matmuls), memory bandwidth (large copies, bytes read
   plus written), kernel floor (median time of a tiny op called as the local program calls it, through
   its OpOverload), memory = physical RAM / world. Each is timed on ``--world`` ranks at once (the

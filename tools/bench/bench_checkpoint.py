@@ -28,11 +28,11 @@ from results_md import replace_section  # tools/bench/, next to this script
 
 from cauto.solver.checkpoint.api import choose_schedule
 from cauto.solver.checkpoint.chen import chen_grid
-from cauto.solver.checkpoint.joint import device_dict, joint_plan
 from cauto.solver.checkpoint.rotor import least_memory, solve_rotor
 from cauto.solver.checkpoint.schedule import store_all, to_ops
 from cauto.solver.checkpoint.simulate import simulate
 from cauto.solver.checkpoint.synthetic import gpt_graph, random_chain, synthetic_sharding
+from cauto.solver.joint import device_dict, joint_plan
 from cauto.solver.planning import ilp_sharding
 
 MIB = 1 << 20

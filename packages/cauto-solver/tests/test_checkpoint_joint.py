@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from cauto.solver.checkpoint.joint import (
+from cauto.solver.checkpoint.synthetic import gpt_graph, synthetic_sharding
+from cauto.solver.errors import SolverError
+from cauto.solver.joint import (
     ShardingResult,
     attach_checkpoint,
     joint_plan,
     sharding_result_from_plan,
 )
-from cauto.solver.checkpoint.synthetic import gpt_graph, synthetic_sharding
-from cauto.solver.errors import SolverError
 
 MIB = 1 << 20
 
@@ -77,7 +77,7 @@ def test_sharding_result_from_plan():
 
 def test_joint_with_the_real_ilp():
     from cauto.solver import InfeasibleBudgetError, cluster_for_mesh, solve, synthetic
-    from cauto.solver.checkpoint.joint import device_dict
+    from cauto.solver.joint import device_dict
     from cauto.solver.planning import ilp_sharding
 
     graph = synthetic.gpt(layers=2, batch=16, seq=64, hidden=128)

@@ -9,7 +9,7 @@ import pytest
 
 from cauto.plan import GraphDocument, check_document
 from cauto.solver import InfeasibleBudgetError, SolverError, solve, synthetic
-from cauto.solver.device_memory import PHASES, device_timeline
+from cauto.solver.memory.timeline import PHASES, device_timeline
 
 PROFILED = Path(__file__).parent / "data" / "profiled_gpt_graph.json"
 

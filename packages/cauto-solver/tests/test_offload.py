@@ -11,9 +11,9 @@ from cauto.plan.chunking import count_chunks, default_chunk_elems
 from cauto.solver import InfeasibleBudgetError, SolverError, plan, solve, synthetic
 from cauto.solver.cli import main
 from cauto.solver.cluster import PRESETS, DeviceSpec, cluster_for_mesh
-from cauto.solver.device_memory import device_timeline, plan_strategies
-from cauto.solver.groups import enumerate_strategies
-from cauto.solver.offload import GRAD_ITEMSIZE, PARAM_ITEMSIZE, OffloadModel, local_numel
+from cauto.solver.memory.timeline import device_timeline, plan_strategies
+from cauto.solver.offload.model import GRAD_ITEMSIZE, PARAM_ITEMSIZE, OffloadModel, local_numel
+from cauto.solver.strategies.groups import enumerate_strategies
 
 GRAPH = json.loads((Path(__file__).parent / "data" / "profiled_gpt_graph.json").read_text())
 

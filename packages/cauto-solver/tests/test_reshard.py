@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from cauto.solver.reshard import backward_target, collective_cost_s, reshard, transform_steps
+from cauto.solver.cost.reshard import backward_target, collective_cost_s, reshard, transform_steps
 
 LINKS1 = ((1e-5, 1e9),)
 LINKS2 = ((1e-5, 1e9), (2e-5, 5e8))

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from cauto.plan import GraphNode, Labels, TensorMeta
-from cauto.solver.strategies import op_strategies, placeholder_strategies
+from cauto.solver.strategies.node import op_strategies, placeholder_strategies
 
 
 def _linear(batch=8, seq=4, k=16, n=32, bias=True) -> tuple[GraphNode, list]:
@@ -58,7 +58,7 @@ def test_placeholders():
 
 def test_nested_splits_only_where_dtensor_runs_them():
     from cauto.plan import GraphNode, Labels, TensorMeta
-    from cauto.solver.strategies import op_strategies
+    from cauto.solver.strategies.node import op_strategies
 
     def node(rule, ins, outs, in_shapes, out_shape):
         return GraphNode(id="n", kind="op", op="x", module="", inputs=[f"i{k}" for k in range(len(ins))],

@@ -38,7 +38,7 @@ import pulp
 
 from cauto.plan.options import SOLVERS
 from cauto.solver.errors import SolverError
-from cauto.solver.groups import Problem
+from cauto.solver.strategies.groups import Problem
 
 
 @dataclass

@@ -38,11 +38,18 @@ from cauto.plan import GraphDocument
 from cauto.plan.execution import mixed_precision_section
 from cauto.plan.mesh_axes import data_parallel_axes
 from cauto.plan.options import CHECKPOINT_METHODS, OptionsError, PlanOptions
-from cauto.solver.checkpoint import ShardingResult, attach_checkpoint, joint_plan, sharding_result_from_plan
-from cauto.solver.checkpoint.joint import UNLIMITED_BYTES, SolveSharding, device_dict
 from cauto.solver.cluster import ClusterSpec
-from cauto.solver.device_memory import device_peak_judge
 from cauto.solver.errors import InfeasibleBudgetError, SolverError
+from cauto.solver.joint import (
+    UNLIMITED_BYTES,
+    ShardingResult,
+    SolveSharding,
+    attach_checkpoint,
+    device_dict,
+    joint_plan,
+    sharding_result_from_plan,
+)
+from cauto.solver.memory.timeline import device_peak_judge
 from cauto.solver.progress import CHECKPOINT_PHASE, ProgressFn, counted, joint_solves_at_most
 from cauto.solver.solve import solve
 

@@ -30,17 +30,23 @@ from cauto.plan import CURRENT_VERSION, GraphDocument, check_plan_matches_graph,
 from cauto.plan.execution import GRAD_OF
 from cauto.plan.versioning import format_version
 from cauto.solver.cluster import ClusterSpec
-from cauto.solver.cost import CostModel
-from cauto.solver.device_walk import predicted_peak_bytes
+from cauto.solver.cost.model import CostModel
+from cauto.solver.cost.reshard import Collective, backward_target, is_partial, reshard
 from cauto.solver.errors import InfeasibleBudgetError, SolverError
-from cauto.solver.groups import Problem, build_problem, enumerate_strategies, fanouts, tensor_requires_grad
 from cauto.solver.ilp import solve_ilp
 from cauto.solver.inputs import graph_document
-from cauto.solver.memory import MemoryModel
-from cauto.solver.offload import OffloadModel, first_edge, ilp_budget
+from cauto.solver.memory.model import MemoryModel
+from cauto.solver.memory.walk import predicted_peak_bytes
+from cauto.solver.offload.model import OffloadModel, first_edge, ilp_budget
 from cauto.solver.progress import ProgressFn
-from cauto.solver.reshard import Collective, backward_target, is_partial, reshard
-from cauto.solver.strategies import Placements, Strategy
+from cauto.solver.strategies.groups import (
+    Problem,
+    build_problem,
+    enumerate_strategies,
+    fanouts,
+    tensor_requires_grad,
+)
+from cauto.solver.strategies.node import Placements, Strategy
 
 
 def build(graph: GraphDocument, cluster: ClusterSpec, *, follow: bool = True, share_layers: bool = True,

@@ -80,7 +80,7 @@ def device_view(plan: dict, graph: dict | None):
     if graph is None:
         return None, "Pass --graph to see the per-device memory check point by check point."
     from cauto.solver import SolverError
-    from cauto.solver.device_memory import device_timeline
+    from cauto.solver.memory.timeline import device_timeline
 
     try:
         return device_timeline(plan, graph), None

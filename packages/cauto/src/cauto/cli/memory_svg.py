@@ -2,7 +2,7 @@
 
 ``timeline_svg``: live bytes of the whole model on one device over the profiled steps (the graph's
 memory timeline). ``device_svg``: what the plan predicts on each device of the mesh, check point by
-check point (cauto.solver.device_memory), with the model state shaded, the budget, the predicted
+check point (cauto.solver.memory.timeline), with the model state shaded, the budget, the predicted
 peak and, after `cauto run --verify`, the measured peak of every rank as markers. Without the
 graph, ``device_svg`` draws the prediction's parts (model state + activations) as one bar.
 A budget far above everything drawn (the device's whole memory when no budget was given) is

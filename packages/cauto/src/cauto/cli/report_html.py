@@ -48,7 +48,7 @@ def render_report(plan: dict, graph: dict | None = None, measured: dict | None =
                   measured_per_rank: list[int] | None = None, device_note: str | None = None) -> str:
     """The whole HTML page for ``plan`` (and its graph and measurements, when given).
 
-    ``device``: the plan's per-device timeline (cauto.solver.device_memory.device_timeline), drawn
+    ``device``: the plan's per-device timeline (cauto.solver.memory.timeline.device_timeline), drawn
     beside the unsharded one; ``measured_per_rank``: peak bytes `cauto run --verify` measured per rank;
     ``device_note``: why there is no per-device timeline, when there is none.
     """

@@ -4,9 +4,6 @@
 * schedule.py, simulate.py: schedules as nested levels; the simulator that judges time and peak.
 * rotor.py: the optimal DP (Beaumont et al. 2019); chen.py: the √n baseline.
 * api.py: ``plan_checkpoint`` (the plan's ``checkpoint`` section) and ``summary_lines`` for the CLI.
-* joint.py: one budget shared by sharding and checkpointing, searched over their split, given the
-  sharding solver as a callback (``cauto.solver.planning.ilp_sharding`` wraps the ILP: this package
-  never imports the solver that calls it); ``attach_checkpoint`` adds the section to a plan.
 """
 
 from cauto.solver.checkpoint.api import (
@@ -18,21 +15,11 @@ from cauto.solver.checkpoint.api import (
     summary_lines,
 )
 from cauto.solver.checkpoint.chain import Chain
-from cauto.solver.checkpoint.joint import (
-    JointResult,
-    ShardingResult,
-    attach_checkpoint,
-    joint_plan,
-    sharding_result_from_plan,
-    solve_joint,
-)
 from cauto.solver.checkpoint.linearize import build_chain
 from cauto.solver.checkpoint.rotor import least_memory, solve_rotor
 from cauto.solver.checkpoint.simulate import simulate
 
 __all__ = [
-    "Chain", "CheckpointChoice", "CheckpointInfeasibleError", "JointResult", "ShardingResult", "attach_checkpoint",
-    "build_chain",
-    "checkpoint_section", "choose_schedule", "joint_plan", "least_memory", "plan_checkpoint",
-    "sharding_result_from_plan", "simulate", "solve_joint", "solve_rotor", "summary_lines",
+    "Chain", "CheckpointChoice", "CheckpointInfeasibleError", "build_chain", "checkpoint_section", "choose_schedule",
+    "least_memory", "plan_checkpoint", "simulate", "solve_rotor", "summary_lines",
 ]

@@ -131,10 +131,10 @@ def synthetic_sharding(graph_doc: dict, *, devices: int = 8, bandwidth_bytes_per
     activations fit the budget, the fastest overall for None, and None when nothing fits. More
     memory never gives a slower answer, as with the real ILP.
     """
-    from cauto.solver.checkpoint.joint import ShardingResult
     from cauto.solver.checkpoint.linearize import build_chain
     from cauto.solver.checkpoint.schedule import store_all, to_ops
     from cauto.solver.checkpoint.simulate import simulate
+    from cauto.solver.joint import ShardingResult
 
     P = graph_doc["model"]["param_bytes"]
     d = devices

@@ -35,9 +35,9 @@ plan are measured by the same walk.
 from __future__ import annotations
 
 from cauto.plan import split_ref
-from cauto.solver.memory import MemoryModel, redistributed_saves
-from cauto.solver.reshard import backward_target, retained_bytes, staging_copies
-from cauto.solver.strategies import Strategy, shard_count
+from cauto.solver.cost.reshard import backward_target, retained_bytes, staging_copies
+from cauto.solver.memory.model import MemoryModel, redistributed_saves
+from cauto.solver.strategies.node import Strategy, shard_count
 
 
 def predicted_points(memory: MemoryModel, nodes: list, chosen: dict[str, Strategy],

@@ -94,12 +94,12 @@ from cauto.plan.chunking import count_chunks, default_chunk_elems
 from cauto.plan.execution import execution_section, simulated_device_budget_bytes
 from cauto.plan.mesh_axes import data_parallel_axes
 from cauto.solver.cluster import ClusterSpec
-from cauto.solver.cost import CostModel
-from cauto.solver.device_walk import predicted_peak_bytes
+from cauto.solver.cost.model import CostModel
+from cauto.solver.cost.reshard import reshard
 from cauto.solver.errors import SolverError
-from cauto.solver.memory import MemoryModel, numel
-from cauto.solver.reshard import reshard
-from cauto.solver.strategies import Placements, Strategy
+from cauto.solver.memory.model import MemoryModel, numel
+from cauto.solver.memory.walk import predicted_peak_bytes
+from cauto.solver.strategies.node import Placements, Strategy
 
 #: bytes per element of a chunked parameter, of its gradient chunk, of its Adam moments (fp32)
 PARAM_ITEMSIZE, GRAD_ITEMSIZE, ADAM_BYTES_PER_ELEM = 4, 4, 8

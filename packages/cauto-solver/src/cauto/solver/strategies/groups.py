@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cauto.plan import GraphDocument, GraphNode, split_ref
-from cauto.solver.cost import CostModel
-from cauto.solver.memory import MemoryModel
-from cauto.solver.strategies import Strategy, op_strategies, placeholder_strategies
+from cauto.solver.cost.model import CostModel
+from cauto.solver.memory.model import MemoryModel
+from cauto.solver.strategies.node import Strategy, op_strategies, placeholder_strategies
 
 _FLOAT = ("float", "bfloat", "complex")
 LIGHT_FLOPS_PER_ELEM = 16

@@ -20,13 +20,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cauto.plan import GraphDocument, check_plan_matches_graph
-from cauto.solver.device_walk import plan_all_to_all, predicted_peak_bytes, predicted_points
 from cauto.solver.errors import SolverError
-from cauto.solver.groups import enumerate_strategies
 from cauto.solver.inputs import graph_document
-from cauto.solver.memory import MemoryModel, numel
-from cauto.solver.offload import OffloadModel
-from cauto.solver.strategies import Strategy
+from cauto.solver.memory.model import MemoryModel, numel
+from cauto.solver.memory.walk import plan_all_to_all, predicted_peak_bytes, predicted_points
+from cauto.solver.offload.model import OffloadModel
+from cauto.solver.strategies.groups import enumerate_strategies
+from cauto.solver.strategies.node import Strategy
 
 PHASES = ("forward", "backward", "grad_sync", "optimizer")
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 
-from cauto.solver.strategies import shard_count
+from cauto.solver.strategies.node import shard_count
 
 Placements = tuple[str, ...]
 

@@ -46,8 +46,8 @@ import math
 from collections.abc import Mapping
 
 from cauto.plan import GraphNode, split_ref
-from cauto.solver.reshard import retained_bytes
-from cauto.solver.strategies import Strategy, shard_count
+from cauto.solver.cost.reshard import retained_bytes
+from cauto.solver.strategies.node import Strategy, shard_count
 
 _ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
              "int8": 1, "uint8": 1, "bool": 1, "complex64": 8}

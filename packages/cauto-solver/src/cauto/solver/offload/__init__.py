@@ -1,0 +1,1 @@
+"""Chunked model state as the solver plans it (model.py)."""
