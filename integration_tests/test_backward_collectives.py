@@ -1,7 +1,7 @@
 """The solver predicts every collective DTensor runs in a training step: forward, backward, grad sync.
 
 Real plans from ``cauto.solver`` (profiled zoo models, tight memory budgets that force sharding,
-and a data-parallel assignment written by ``plan_document``) are applied by ``cauto.runtime`` on
+and a data-parallel assignment written by ``sharding_section``) are applied by ``cauto.runtime`` on
 torch's fake process group (one process, world size 4: collectives are issued and counted, nothing
 is sent). One step runs under ``CommDebugMode``; executed collectives are counted per phase and op
 type and compared with ``plan.predictions.collectives``, as ``cauto run --verify`` does on real ranks.
@@ -22,7 +22,8 @@ from torch.distributed.tensor.debug import CommDebugMode  # noqa: E402
 from cauto.plan import load_graph, load_plan  # noqa: E402
 from cauto.solver.cluster import cluster_for_mesh  # noqa: E402
 from cauto.solver.planning import plan as solve_plan  # noqa: E402
-from cauto.solver.solve import build, plan_document  # noqa: E402
+from cauto.solver.sharding_section import sharding_section  # noqa: E402
+from cauto.solver.solve import build  # noqa: E402
 
 WORLD = 4
 
@@ -75,7 +76,7 @@ def _data_parallel_plan(graph, cluster) -> dict:
                 arriving.append(chosen[src].outputs[int(o or 0)])
             fits = [s for s in options if list(s.inputs) == arriving]
             chosen[n.id] = max(fits, key=lambda s: s.shard_factor) if fits else options[0]
-    plan = plan_document(graph, cluster, chosen, cost, memory, None)
+    plan = sharding_section(graph, cluster, chosen, cost, memory, None)
     plan["solver"] = {"name": "hand", "status": "feasible", "objective_s": 0.0, "gap": 0.0, "time_s": 0.0,
                       "num_variables": 0, "num_constraints": 0}
     return plan

@@ -22,15 +22,16 @@ feasible wherever one of the splits it tries is, including budgets where both ba
 
 Interface with the sharding solver: ``solve_sharding(memory_budget_bytes | None) -> ShardingResult
 | None`` (None budget: no memory limit; None result: nothing fits). ``cauto.solver.planning.
-ilp_sharding(graph_doc, cluster)`` wraps the real ILP (``cauto.solver.solve``) that way (this package
+ilp_sharding(graph_doc, cluster)`` wraps the real ILP (``cauto.solver.solve``) that way (this module
 does not import the solver that calls it), so the whole joint plan is::
 
     result = joint_plan(graph_doc, memory_budget_bytes, ilp_sharding(graph_doc, cluster),
                         device=device_dict(cluster))
     plan = attach_checkpoint(result.best.sharding.plan, graph_doc, memory_budget_bytes=memory_budget_bytes)
 
-``attach_checkpoint(plan, graph_doc, method=...)`` alone is "ILP, then checkpointing at the ILP's
-split": what ``cauto-solve --checkpoint {auto,none,chen,rotor}`` does without the joint search.
+The search's part of the plan is ``checkpointed``: the ``checkpoint`` section of a sharding plan and
+the predictions with recomputation (document.py builds the plan from it). ``attach_checkpoint(plan,
+graph_doc, method=...)`` alone is "ILP, then checkpointing at the ILP's split", without the search.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from cauto.solver.checkpoint.chain import Chain
 from cauto.solver.checkpoint.linearize import DEFAULT_MAX_STAGES, ShardScale, build_chain
 from cauto.solver.checkpoint.recompute import recompute_collectives
 from cauto.solver.checkpoint.rotor import DEFAULT_SLOTS, least_memory
+from cauto.solver.document import CheckpointSection, PlanSections, plan_document
 from cauto.solver.errors import SolverError
 
 UNLIMITED_BYTES = 1 << 50
@@ -314,20 +316,19 @@ def sharding_result_from_plan(plan_doc: dict) -> ShardingResult:
     )
 
 
-def attach_checkpoint(plan_doc: dict, graph_doc: dict, *, method: str = "auto",
-                      memory_budget_bytes: int | None = None, slots: int = DEFAULT_SLOTS,
-                      activation_scale: float = 1.0, choice: CheckpointChoice | None = None,
-                      device_peak_bytes: int | None = None) -> dict:
-    """A copy of a sharding plan with its ``checkpoint`` section and predictions filled in.
+def checkpointed(plan_doc: dict, graph_doc: dict, *, method: str = "auto", memory_budget_bytes: int | None = None,
+                 slots: int = DEFAULT_SLOTS, activation_scale: float = 1.0, choice: CheckpointChoice | None = None,
+                 device_peak_bytes: int | None = None) -> CheckpointSection:
+    """The checkpoint section of a sharding plan, with its predictions (document.py).
 
     The activations get the plan's budget (``memory_budget_bytes``, else the plan's own, else its
     cluster's device memory) minus its model state, on the chain sharded as the plan says and
     priced on the plan's cluster device (or the joint search's ``choice``). Predictions then read:
-    peak_bytes = ``device_peak_bytes`` (the joint search's node-level walk, device_walk.py) when
+    peak_bytes = ``device_peak_bytes`` (the joint search's node-level walk, memory/walk.py) when
     given, else model state + the simulated activation peak; activation_bytes = peak_bytes - model
     state; step_time_s.recompute (recomputed compute plus the collectives of redistributions inside
     regions, which recomputation runs again and which are added to ``collectives`` in phase
-    "backward": recompute.py) added to the total.
+    "backward": checkpoint/recompute.py) added to the total.
     Raises CheckpointInfeasibleError when the activations cannot fit.
     """
     pred = plan_doc["predictions"]
@@ -340,15 +341,19 @@ def attach_checkpoint(plan_doc: dict, graph_doc: dict, *, method: str = "auto",
         chain = build_chain(graph_doc, shard_scale=sharding.shard_scale, device=device,
                             activation_scale=activation_scale)
         choice = choose_schedule(chain, int(budget) - sharding.model_state_bytes, method, slots=slots)
-    plan = dict(plan_doc)
-    plan["checkpoint"] = checkpoint_section(choice)
-    again = recompute_collectives(plan_doc, plan["checkpoint"]["regions"])
+    section = checkpoint_section(choice)
+    again = recompute_collectives(plan_doc, section["regions"])
     again_s = sum(c.get("cost_s", 0.0) for c in again)
     times = dict(pred["step_time_s"])
-    times["recompute"] = plan["checkpoint"]["recompute_s"] + again_s
+    times["recompute"] = section["recompute_s"] + again_s
     times["total"] = sharding.step_time_s + times["recompute"]
     peak = device_peak_bytes if device_peak_bytes is not None else \
         sharding.model_state_bytes + choice.simulation.peak_bytes
-    plan["predictions"] = {**pred, "step_time_s": times, "activation_bytes": peak - sharding.model_state_bytes,
-                           "collectives": list(pred.get("collectives", [])) + again, "peak_bytes": peak}
-    return plan
+    return CheckpointSection(section, {**pred, "step_time_s": times, "activation_bytes": peak - sharding.model_state_bytes,
+                                       "collectives": list(pred.get("collectives", [])) + again, "peak_bytes": peak})
+
+
+def attach_checkpoint(plan_doc: dict, graph_doc: dict, **kwargs) -> dict:
+    """A sharding-only plan (what ``cauto.solver.solve`` returns) with checkpointing at its split: the
+    plan document of its sections and ``checkpointed(plan_doc, graph_doc, **kwargs)``'s."""
+    return plan_document(PlanSections(plan_doc, checkpoint=checkpointed(plan_doc, graph_doc, **kwargs)))

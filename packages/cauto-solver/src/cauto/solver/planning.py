@@ -4,7 +4,7 @@
 same options as keywords also work, ``memory_budget=M``), the default budget being the device's
 memory (``ClusterSpec.budget_bytes``):
 * "none": the sharding ILP with every activation stored (``solve``).
-* "auto": the joint search of checkpoint/joint.py — one budget M shared by model state and
+* "auto": the joint search of joint.py — one budget M shared by model state and
   activations, the split searched with the ILP in the loop — then the best schedule (rotor or
   Chen, whichever the simulator judges faster) on the best sharding. The ILP-only plan at M (no
   recompute) competes too: the chain's activation model is more conservative than the ILP's
@@ -26,6 +26,9 @@ axes the ILP may shard it: tensor parallelism) and the plan's ``offload`` sectio
 exactly that D. None: every axis (pure data parallelism) and, on a mesh with more than one axis of
 size > 1, each such axis alone are solved, and the feasible plan with the least predicted step
 time wins (ties: every axis); none feasible raises the error with the least memory needed.
+Each stage returns its section (the sharding solve, the joint search's checkpoint, the offload
+model's) and ``plan`` builds the document from them once (document.py), with
+``execution.mixed_precision`` and ``options``.
 ``progress(phase, done, total)``, when given, follows the work (phases in cauto/solver/progress.py).
 """
 
@@ -39,19 +42,20 @@ from cauto.plan.execution import mixed_precision_section
 from cauto.plan.mesh_axes import data_parallel_axes
 from cauto.plan.options import CHECKPOINT_METHODS, OptionsError, PlanOptions
 from cauto.solver.cluster import ClusterSpec
+from cauto.solver.document import CheckpointSection, PlanSections, plan_document
 from cauto.solver.errors import InfeasibleBudgetError, SolverError
 from cauto.solver.joint import (
     UNLIMITED_BYTES,
     ShardingResult,
     SolveSharding,
-    attach_checkpoint,
+    checkpointed,
     device_dict,
     joint_plan,
     sharding_result_from_plan,
 )
 from cauto.solver.memory.timeline import device_peak_judge
 from cauto.solver.progress import CHECKPOINT_PHASE, ProgressFn, counted, joint_solves_at_most
-from cauto.solver.solve import solve
+from cauto.solver.solve import solve, solve_sharding
 
 __all__ = ["CHECKPOINT_METHODS", "PlanOptions", "check_profiled_precision", "ilp_sharding", "offload_axes_candidates", "plan", "plan_options"]
 
@@ -67,12 +71,11 @@ def plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options: PlanOpti
     same autocast (``settings.autocast``), and the plan records it in ``execution.mixed_precision``."""
     options = plan_options(options, **option_kwargs)
     check_profiled_precision(graph, options)
-    plan_doc = _plan(graph, cluster, options, progress)
-    section = mixed_precision_section(options.mixed_precision, options.reduce_dtype)
-    if section is not None:
-        plan_doc["execution"]["mixed_precision"] = section
-    plan_doc["options"] = options.record()  # what the user asked for (the plan says how to make it again)
-    return plan_doc
+    sections = _plan(graph, cluster, options, progress)
+    # options: what the user asked for (the plan says how to make it again)
+    return plan_document(sections, mixed_precision=mixed_precision_section(options.mixed_precision,
+                                                                           options.reduce_dtype),
+                         options=options.record())
 
 
 def check_profiled_precision(graph: GraphDocument | Mapping, options: PlanOptions) -> None:
@@ -91,7 +94,7 @@ def check_profiled_precision(graph: GraphDocument | Mapping, options: PlanOption
 
 
 def _plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options: PlanOptions,
-          progress: ProgressFn | None) -> dict:
+          progress: ProgressFn | None) -> PlanSections:
     if options.offload_axes is not None:
         axes = data_parallel_axes(tuple(cluster.mesh_shape), options.offload_axes, error=SolverError)
         options = replace(options, offload_axes=axes)
@@ -105,25 +108,34 @@ def _plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options: PlanOpt
                 return _chunked_plan(graph, cluster, options, progress)
             except InfeasibleBudgetError as with_chunks:
                 raise min(on_device, with_chunks, key=lambda e: e.needed_bytes or float("inf")) from None
+    if options.checkpoint == "none":
+        return solve_sharding(graph, cluster, memory_budget=options.memory_budget_bytes, solver=options.solver,
+                              time_limit_s=options.time_limit_s, progress=progress)
+    return _joint_plan(graph, cluster, options, progress)
+
+
+#: the checkpoint section of a plan that recomputes nothing because the ILP alone fits ("auto")
+ILP_ONLY_CHECKPOINT = {"method": "auto", "regions": [], "recompute_s": 0.0}
+
+
+def _joint_plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options: PlanOptions,
+                progress: ProgressFn | None) -> PlanSections:
+    """The joint search's plan (module docstring), or with "auto" the ILP-only plan where it is no slower."""
     checkpoint, solver, time_limit_s = options.checkpoint, options.solver, options.time_limit_s
-    memory_budget = options.memory_budget_bytes
-    if checkpoint == "none":
-        return solve(graph, cluster, memory_budget=memory_budget, solver=solver, time_limit_s=time_limit_s,
-                     progress=progress)
     graph_doc = graph.to_dict() if isinstance(graph, GraphDocument) else dict(graph)
-    budget = cluster.budget_bytes(memory_budget)
+    budget = cluster.budget_bytes(options.memory_budget_bytes)
     ilp_only = None
     if checkpoint == "auto":
         try:
-            ilp_only = solve(graph_doc, cluster, memory_budget=budget, solver=solver, time_limit_s=time_limit_s,
-                             progress=progress)
-            ilp_only["checkpoint"] = {"method": "auto", "regions": [], "recompute_s": 0.0}
+            sharding = solve_sharding(graph_doc, cluster, memory_budget=budget, solver=solver,
+                                      time_limit_s=time_limit_s, progress=progress)
+            ilp_only = replace(sharding, checkpoint=CheckpointSection(dict(ILP_ONLY_CHECKPOINT)))
         except InfeasibleBudgetError:
             pass
-    solve_sharding = ilp_sharding(graph_doc, cluster, solver=solver, time_limit_s=time_limit_s)
+    solve_sharding_at = ilp_sharding(graph_doc, cluster, solver=solver, time_limit_s=time_limit_s)
     if progress is not None:
-        solve_sharding = counted(solve_sharding, progress, joint_solves_at_most())
-    result = joint_plan(graph_doc, budget, solve_sharding, device=device_dict(cluster),
+        solve_sharding_at = counted(solve_sharding_at, progress, joint_solves_at_most())
+    result = joint_plan(graph_doc, budget, solve_sharding_at, device=device_dict(cluster),
                         device_peak=device_peak_judge(graph_doc))
     if progress is not None:
         progress(CHECKPOINT_PHASE, joint_solves_at_most(), joint_solves_at_most())
@@ -131,19 +143,20 @@ def _plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options: PlanOpt
         if ilp_only is not None:
             return ilp_only
         raise InfeasibleBudgetError(budget, int(result.needed_bytes or 0), [])
-    plan_doc = attach_checkpoint(result.best.sharding.plan, graph_doc, method=checkpoint, memory_budget_bytes=budget,
-                                 choice=result.best.checkpoint, device_peak_bytes=result.best.peak_bytes)
-    plan_doc["checkpoint"]["method"] = checkpoint
-    plan_doc["predictions"]["memory_budget_bytes"] = budget
-    if ilp_only is not None and ilp_only["predictions"]["step_time_s"]["total"] <= \
-            plan_doc["predictions"]["step_time_s"]["total"]:
+    best = checkpointed(result.best.sharding.plan, graph_doc, method=checkpoint, memory_budget_bytes=budget,
+                        choice=result.best.checkpoint, device_peak_bytes=result.best.peak_bytes)
+    # the plan records the method asked for, and the whole budget M (the point's ILP ran under its own)
+    joint = PlanSections(result.best.sharding.plan, checkpoint=CheckpointSection(
+        {**best.checkpoint, "method": checkpoint}, {**best.predictions, "memory_budget_bytes": budget}))
+    if ilp_only is not None and ilp_only.predictions["step_time_s"]["total"] <= \
+            joint.predictions["step_time_s"]["total"]:
         return ilp_only
-    return plan_doc
+    return joint
 
 
 def ilp_sharding(graph_doc: dict, cluster: ClusterSpec, **solve_kwargs) -> SolveSharding:
     """The sharding ILP (``cauto.solver.solve`` on ``cluster``) as the joint search's SolveSharding
-    callback (checkpoint/joint.py): None budget is no memory limit, None result is nothing fits."""
+    callback (joint.py): None budget is no memory limit, None result is nothing fits."""
 
     def solve_sharding(budget: int | None) -> ShardingResult | None:
         try:
@@ -178,7 +191,7 @@ def plan_options(options: PlanOptions | None = None, *, memory_budget: int | Non
 
 
 def _chunked_plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options: PlanOptions,
-                  progress: ProgressFn | None) -> dict:
+                  progress: ProgressFn | None) -> PlanSections:
     """The sharding ILP with chunked state over ``offload_axes``, or, when None, the feasible plan with
     the least predicted step time over ``offload_axes_candidates`` (the first on ties); none feasible
     raises the InfeasibleBudgetError with the least needed bytes."""
@@ -189,10 +202,11 @@ def _chunked_plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options:
     plans, infeasible = [], []
     for axes in candidates:
         try:
-            plans.append(solve(graph, cluster, offload=True, offload_axes=axes, memory_budget=options.memory_budget_bytes,
-                               solver=options.solver, time_limit_s=options.time_limit_s, progress=progress))
+            plans.append(solve_sharding(graph, cluster, offload=True, offload_axes=axes,
+                                        memory_budget=options.memory_budget_bytes, solver=options.solver,
+                                        time_limit_s=options.time_limit_s, progress=progress))
         except InfeasibleBudgetError as exc:
             infeasible.append(exc)
     if plans:
-        return min(plans, key=lambda p: p["predictions"]["step_time_s"]["total"])
+        return min(plans, key=lambda p: p.predictions["step_time_s"]["total"])
     raise min(infeasible, key=lambda e: e.needed_bytes or float("inf"))

@@ -23,7 +23,7 @@ CHECKPOINT_PHASE = "checkpoint search"
 
 
 def joint_solves_at_most(grid_points: int = 8, refine_steps: int = 4) -> int:
-    """The most sharding solves ``checkpoint.joint.solve_joint`` runs with these settings (its defaults):
+    """The most sharding solves ``joint.solve_joint`` runs with these settings (its defaults):
     one without a limit, the two baselines, the grid, two fresh budgets per refinement step."""
     return 1 + 2 + grid_points + 2 * refine_steps
 

@@ -24,6 +24,7 @@ from cauto.solver.errors import SolverError
 from cauto.solver.inputs import graph_document
 from cauto.solver.memory.model import MemoryModel, numel
 from cauto.solver.memory.walk import plan_all_to_all, predicted_peak_bytes, predicted_points
+from cauto.solver.offload.memory import chunked_memory_model
 from cauto.solver.offload.model import OffloadModel
 from cauto.solver.strategies.groups import enumerate_strategies
 from cauto.solver.strategies.node import Strategy
@@ -94,7 +95,7 @@ def device_timeline(plan: Mapping, graph: GraphDocument | Mapping) -> DeviceTime
         axes = offload.get("mesh_axes")  # the data-parallel axes D the chunks are ZeRO-sharded over
         chunks = OffloadModel(None, int(offload["device_budget_bytes"]), int(offload["chunk_elems"]),
                               max(numels, default=0), None if axes is None else tuple(axes))  # needs no cluster
-        memory = chunks.memory_model(memory)
+        memory = chunked_memory_model(memory, chunks)
     return _walk(memory, nodes, chosen, list((plan.get("checkpoint") or {}).get("regions") or []))
 
 

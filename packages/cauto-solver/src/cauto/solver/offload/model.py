@@ -16,8 +16,8 @@ input Shard(0) on every axis of D of size > 1 (left as enumerated where none is:
 not divide); the other axes are free. So every trainable untied parameter is chunked.
 
 * Pure: the runtime runs the model as written on each rank's slice of the batch
-  (``cauto.runtime.apply``), which has no redistribution edges: each costs ``EDGE_PENALTY_S`` in the
-  ILP, and a solution that still needs one, or whose predicted peak is over the budget, counts as
+  (``cauto.runtime.apply``), which has no redistribution edges: each costs ``EDGE_PENALTY_S`` (cost.py) in
+  the ILP, and a solution that still needs one, or whose predicted peak is over the budget, counts as
   infeasible (``runnable``).
 * Mixed: the runtime runs the DTensor program with each parameter's local shard in the chunk
   manager: edges are priced as usual and ``runnable`` only checks the predicted peak.
@@ -32,7 +32,7 @@ W; the plan records it (``offload.chunk_elems``) and the runtime uses it. ``offl
 counts the chunks of the chunked parameters' local shards (``local_numel``: a dim split on an axis
 of size n becomes ceil(dim / n), once per such axis) in graph order, padded to a multiple of W.
 
-Device memory per device (the documented model; ``ChunkedMemoryModel``):
+Device memory per device (the documented model; ``ChunkedMemoryModel``, memory.py):
 
 * A chunked parameter's value, gradient and optimizer state count nothing in the usual model
   (memory.py): not in the always-live state, not at the end of backward, not in the optimizer step.
@@ -68,11 +68,11 @@ of 6.1 MB predicted for a 6-layer MLP, 1.25 of 1.90 MB for a 4-layer GPT at a 2 
 integration_tests/test_offload_end_to_end.py). Seconds: bytes / the device's
 ``host_link_bandwidth_bytes_per_s`` (``step_time_s.offload``, part of the total). The ILP sees one
 parameter at a time and prices a chunked one at its traffic without any caching,
-``(2 · bytes + 4 · numel / W) / bandwidth`` of its local shard (``ChunkedCostModel``): an upper
+``(2 · bytes + 4 · numel / W) / bandwidth`` of its local shard (``ChunkedCostModel``, cost.py): an upper
 bound too. (Its gradient's reduction over D stays priced as the base model's all-reduce, which in
 the α-β model costs about what the ZeRO all-gather plus reduce-scatter of its bytes cost.)
 
-Collectives. The all-reduces over the axes of D of a chunked parameter's gradient, in its
+Collectives (section.py, with the ``offload`` section). The all-reduces over the axes of D of a chunked parameter's gradient, in its
 gradient synchronization (``grad_sync``) and in the backward of a redistribution edge that starts
 at it, are replaced by the chunk manager's (the runtime's ``chunk_fetch`` leaves the gradient
 Partial on D; other collectives, on other axes or gathering a Shard gradient on D, stay): per group of W chunks an all-gather
@@ -91,11 +91,8 @@ from dataclasses import dataclass
 
 from cauto.plan import GraphDocument, GraphNode, split_ref
 from cauto.plan.chunking import count_chunks, default_chunk_elems
-from cauto.plan.execution import execution_section, simulated_device_budget_bytes
 from cauto.plan.mesh_axes import data_parallel_axes
 from cauto.solver.cluster import ClusterSpec
-from cauto.solver.cost.model import CostModel
-from cauto.solver.cost.reshard import reshard
 from cauto.solver.errors import SolverError
 from cauto.solver.memory.model import MemoryModel, numel
 from cauto.solver.memory.walk import predicted_peak_bytes
@@ -105,8 +102,6 @@ from cauto.solver.strategies.node import Placements, Strategy
 PARAM_ITEMSIZE, GRAD_ITEMSIZE, ADAM_BYTES_PER_ELEM = 4, 4, 8
 #: parameter chunks the runtime pins at once (cauto.runtime.chunks.model.BACKWARD_PINS) and gradient chunks
 WORKING_SET_PARAM_CHUNKS, WORKING_SET_GRAD_CHUNKS = 2, 1
-#: ILP seconds charged per redistribution edge: pure data-parallel plans with chunked state run without any
-EDGE_PENALTY_S = 1e3
 
 
 def is_chunked(node: GraphNode, strategy: Strategy, mesh_axes: tuple[int, ...] | None = None) -> bool:
@@ -209,15 +204,6 @@ class OffloadModel:
         spare = max(0, arena_bytes - self.working_set_bytes)
         return p + g // w + max(0, p - spare)
 
-    def cost_model(self, base: CostModel) -> ChunkedCostModel:
-        """``base`` with chunked parameters priced at their traffic and, when pure, edges penalized
-        (``base`` stays as ``.base``, the plan's step time)."""
-        m = ChunkedCostModel.__new__(ChunkedCostModel)
-        m.__dict__.update(base.__dict__)
-        m._edge_cache, m._pair_cache = {}, {}
-        m.offload, m.base = self, base
-        return m
-
     def restrict(self, graph: GraphDocument, strategies: dict[str, list[Strategy]]) -> dict[str, list[Strategy]]:
         """Only the placeholder strategies data parallelism over D allows (module docstring): parameters
         and buffers Replicate on every axis of D, inputs Shard(0) on every axis of D of size > 1."""
@@ -240,131 +226,6 @@ class OffloadModel:
         if self.pure and _has_edge(graph, nodes, chosen):
             return False
         return predicted_peak_bytes(memory, nodes, chosen) <= budget
-
-    def memory_model(self, base: MemoryModel) -> ChunkedMemoryModel:
-        """A copy of the calibrated ``base`` that counts chunked parameters as the module docstring says."""
-        m = ChunkedMemoryModel.__new__(ChunkedMemoryModel)
-        m.__dict__.update(base.__dict__)
-        m.offload = self
-        return m
-
-    # ------------------------------------------------------------------ the plan document
-    def finish(self, plan: dict, graph: GraphDocument, chosen: dict[str, Strategy]) -> dict:
-        """Mark chunked parameters in ``plan`` (written with ``ChunkedMemoryModel``'s predictions) and
-        add their traffic, collectives and the ``offload`` section; return ``plan``."""
-        params = [n for n in graph.nodes if n.kind == "param"]
-        chunked = [n for n in params if self.chunks(n, chosen[n.id])]
-        if not chunked:
-            return plan
-        ids = {n.id for n in chunked}
-        for pid, entry in plan["params"].items():
-            node = next(n for n in params if n.id == pid)
-            if (node.tied_to or pid) in ids:
-                entry["state"] = "chunked"
-        num_chunks = self.num_chunks(chunked, chosen)
-        pred = plan["predictions"]
-        nonmodel = pred["peak_bytes"] - self.working_set_bytes
-        arena = self.budget_bytes - nonmodel
-        moved = self.traffic_bytes(num_chunks, arena)
-        trainable = [n for n in params if not n.tied_to and n.requires_grad is not False]
-        plain = self.pure and len(chunked) == len(trainable) and not plan["edges"]
-        data_axes = set(self.mesh_axes)
-
-        def kept(c: dict) -> bool:
-            if c.get("phase") in ("grad_sync", "backward") and c.get("op") == "all_reduce" \
-                    and str(c.get("where", "")).split("->")[0] in ids and c.get("axis") in data_axes:
-                return False  # the chunk manager's reduce-scatter over D replaces the gradient's all-reduce
-            return not plain or c.get("where") == "loss"
-
-        plan["grad_sync"] = [c for c in plan.get("grad_sync", []) if kept(c)]
-        collectives = [c for c in pred["collectives"] if kept(c)] + self._zero_collectives(num_chunks, len(chunked))
-        st = pred["step_time_s"]
-        st["communication"] = sum(c["cost_s"] for c in collectives)
-        st["offload"] = moved / self.host_link_bandwidth_bytes_per_s
-        st["total"] = st["compute"] + st["communication"] + st.get("recompute", 0.0) + st["offload"]
-        pred["collectives"] = collectives
-        plan["offload"] = {
-            "device_budget_bytes": self.budget_bytes, "chunk_elems": self.chunk_elems,
-            "mesh_axes": list(self.mesh_axes), "num_chunks": num_chunks,
-            "working_set_bytes": self.working_set_bytes, "arena_bytes": int(arena), "moved_bytes": int(moved),
-            "host_link_bandwidth_bytes_per_s": self.host_link_bandwidth_bytes_per_s,
-        }
-        plan["offload"]["simulated_device_budget_bytes"] = simulated_device_budget_bytes(plan["offload"],
-                                                                                         pred["peak_bytes"])
-        # the chunk manager runs the model as written (no program, so no program gradient reductions)
-        plan["execution"] = execution_section(len(self.cluster.mesh_shape), plan["offload"], plan["edges"],
-                                              collectives)
-        return plan
-
-    def _zero_collectives(self, num_chunks: int, num_params: int) -> list[dict]:
-        """The chunk manager's collectives over D (module docstring): per chunk group an all-gather of the
-        parameter chunks in forward and a reduce-scatter of the gradient chunks in backward, and the
-        all-reduce of the gradient flags in the optimizer step."""
-        mesh = tuple(self.cluster.mesh_shape)
-        if self.group_size <= 1:
-            return []
-        links = tuple((a.latency_s, a.bandwidth_bytes_per_s) for a in self.cluster.axes)
-        dev = self.cluster.device
-
-        def on_data_axes(p: str) -> Placements:
-            return tuple(p if a in self.mesh_axes else "R" for a in range(len(mesh)))
-
-        def collectives(src: Placements, dst: Placements, nbytes: int, phase: str, where: str) -> list[dict]:
-            return [c.to_dict(phase, where)
-                    for c in reshard(src, dst, nbytes, mesh, links, dev.kernel_floor_s, dev.all_to_all)]
-
-        group_param_bytes = self.group_size * self.chunk_elems * PARAM_ITEMSIZE
-        group_grad_bytes = self.group_size * self.chunk_elems * GRAD_ITEMSIZE
-        replicated = ("R",) * len(mesh)
-        out = []
-        for g in range(num_chunks // self.group_size):
-            where = f"chunk group {g}"
-            out += collectives(on_data_axes("S(0)"), replicated, group_param_bytes, "forward", where)
-            out += collectives(on_data_axes("P(sum)"), on_data_axes("S(0)"), group_grad_bytes, "backward", where)
-        out += collectives(on_data_axes("P(max)"), replicated, 4 * num_params, "optimizer", "chunked gradient flags")
-        return out
-
-
-class ChunkedCostModel(CostModel):
-    """CostModel whose chunked parameters cost their host link traffic (``OffloadModel.param_transfer_s``)
-    and, when the model is pure, whose redistribution edges cost ``EDGE_PENALTY_S`` more."""
-
-    offload: OffloadModel
-    base: CostModel
-
-    def compute_s(self, node: GraphNode, strategy: Strategy) -> float:
-        if self.offload.chunks(node, strategy):
-            return self.offload.param_transfer_s(node, strategy)
-        return super().compute_s(node, strategy)
-
-    def edge_cost_s(self, src, dst, grad, nbytes: int, needs_grad: bool, fanout: int = 1) -> float:
-        penalty_s = EDGE_PENALTY_S if self.offload.pure and src != dst else 0.0
-        return super().edge_cost_s(src, dst, grad, nbytes, needs_grad, fanout) + penalty_s
-
-
-class ChunkedMemoryModel(MemoryModel):
-    """MemoryModel in which chunked parameters hold nothing but the working set (module docstring)."""
-
-    offload: OffloadModel
-
-    def state_bytes(self, node: GraphNode, strategy: Strategy) -> int:
-        return 0 if self.offload.chunks(node, strategy) else super().state_bytes(node, strategy)
-
-    def grad_bytes(self, node: GraphNode, strategy: Strategy) -> int:
-        return 0 if self.offload.chunks(node, strategy) else super().grad_bytes(node, strategy)
-
-    def breakdown(self, nodes: list[GraphNode], chosen: dict[str, Strategy],
-                  exact: bool = True) -> tuple[int, int, int, int, str]:
-        peak, state, rest, t, phase = super().breakdown(nodes, chosen, exact)
-        if any(n.id in chosen and self.offload.chunks(n, chosen[n.id]) for n in nodes):
-            ws = self.offload.working_set_bytes
-            return peak + ws, state + ws, rest, t, phase
-        return peak, state, rest, t, phase
-
-    def _optimizer_extra(self, nodes, chosen) -> int:
-        # the optimizer's temporaries scale with the largest parameter it updates on the device
-        on_device = [n for n in nodes if not (n.id in chosen and self.offload.chunks(n, chosen[n.id]))]
-        return super()._optimizer_extra(on_device, chosen)
 
 
 def first_edge(graph: GraphDocument, nodes: list[GraphNode], chosen: dict[str, Strategy]) -> tuple[str, str] | None:

@@ -1,0 +1,91 @@
+"""The plan's ``offload`` section, and what chunked state changes in the sharding section (model.py's
+docstring has the model): chunked parameters are marked ``state: "chunked"``, the all-reduces over
+the data-parallel axes D of their gradients give way to the chunk manager's all-gathers and
+reduce-scatters, the host link traffic adds ``step_time_s.offload``, and a plan the runtime runs as
+the model as written gets that execution."""
+
+from __future__ import annotations
+
+from cauto.plan import GraphDocument
+from cauto.plan.execution import execution_section, simulated_device_budget_bytes
+from cauto.solver.cost.reshard import reshard
+from cauto.solver.document import OffloadSection
+from cauto.solver.offload.model import GRAD_ITEMSIZE, PARAM_ITEMSIZE, OffloadModel
+from cauto.solver.strategies.node import Placements, Strategy
+
+
+def offload_section(model: OffloadModel, sharding: dict, graph: GraphDocument,
+                    chosen: dict[str, Strategy]) -> OffloadSection | None:
+    """What ``model``'s chunks make of the sharding section ``sharding`` (written with the chunked memory
+    model's predictions) for the strategies ``chosen``; None when no parameter is chunked."""
+    params = [n for n in graph.nodes if n.kind == "param"]
+    chunked = [n for n in params if model.chunks(n, chosen[n.id])]
+    if not chunked:
+        return None
+    ids = {n.id for n in chunked}
+    by_id = {n.id: n for n in params}
+    plan_params = {pid: {**entry, "state": "chunked"} if (by_id[pid].tied_to or pid) in ids else entry
+                   for pid, entry in sharding["params"].items()}
+    num_chunks = model.num_chunks(chunked, chosen)
+    pred = sharding["predictions"]
+    nonmodel = pred["peak_bytes"] - model.working_set_bytes
+    arena = model.budget_bytes - nonmodel
+    moved = model.traffic_bytes(num_chunks, arena)
+    trainable = [n for n in params if not n.tied_to and n.requires_grad is not False]
+    plain = model.pure and len(chunked) == len(trainable) and not sharding["edges"]
+    data_axes = set(model.mesh_axes)
+
+    def kept(c: dict) -> bool:
+        if c.get("phase") in ("grad_sync", "backward") and c.get("op") == "all_reduce" \
+                and str(c.get("where", "")).split("->")[0] in ids and c.get("axis") in data_axes:
+            return False  # the chunk manager's reduce-scatter over D replaces the gradient's all-reduce
+        return not plain or c.get("where") == "loss"
+
+    collectives = [c for c in pred["collectives"] if kept(c)] + zero_collectives(model, num_chunks, len(chunked))
+    communication_s = sum(c["cost_s"] for c in collectives)
+    offload_s = moved / model.host_link_bandwidth_bytes_per_s
+    times = pred["step_time_s"]
+    step_time_s = {**times, "communication": communication_s, "offload": offload_s,
+                   "total": times["compute"] + communication_s + offload_s}
+    section = {
+        "device_budget_bytes": model.budget_bytes, "chunk_elems": model.chunk_elems,
+        "mesh_axes": list(model.mesh_axes), "num_chunks": num_chunks,
+        "working_set_bytes": model.working_set_bytes, "arena_bytes": int(arena), "moved_bytes": int(moved),
+        "host_link_bandwidth_bytes_per_s": model.host_link_bandwidth_bytes_per_s,
+    }
+    section["simulated_device_budget_bytes"] = simulated_device_budget_bytes(section, pred["peak_bytes"])
+    return OffloadSection(
+        offload=section, params=plan_params,
+        grad_sync=[c for c in sharding.get("grad_sync", []) if kept(c)],
+        # the chunk manager runs the model as written (no program, so no program gradient reductions)
+        execution=execution_section(len(model.cluster.mesh_shape), section, sharding["edges"], collectives),
+        predictions={**pred, "step_time_s": step_time_s, "collectives": collectives})
+
+
+def zero_collectives(model: OffloadModel, num_chunks: int, num_params: int) -> list[dict]:
+    """The chunk manager's collectives over D (model.py's docstring): per chunk group an all-gather of
+    the parameter chunks in forward and a reduce-scatter of the gradient chunks in backward, and the
+    all-reduce of the gradient flags in the optimizer step."""
+    mesh = tuple(model.cluster.mesh_shape)
+    if model.group_size <= 1:
+        return []
+    links = tuple((a.latency_s, a.bandwidth_bytes_per_s) for a in model.cluster.axes)
+    dev = model.cluster.device
+
+    def on_data_axes(p: str) -> Placements:
+        return tuple(p if a in model.mesh_axes else "R" for a in range(len(mesh)))
+
+    def collectives(src: Placements, dst: Placements, nbytes: int, phase: str, where: str) -> list[dict]:
+        return [c.to_dict(phase, where)
+                for c in reshard(src, dst, nbytes, mesh, links, dev.kernel_floor_s, dev.all_to_all)]
+
+    group_param_bytes = model.group_size * model.chunk_elems * PARAM_ITEMSIZE
+    group_grad_bytes = model.group_size * model.chunk_elems * GRAD_ITEMSIZE
+    replicated = ("R",) * len(mesh)
+    out = []
+    for g in range(num_chunks // model.group_size):
+        where = f"chunk group {g}"
+        out += collectives(on_data_axes("S(0)"), replicated, group_param_bytes, "forward", where)
+        out += collectives(on_data_axes("P(sum)"), on_data_axes("S(0)"), group_grad_bytes, "backward", where)
+    out += collectives(on_data_axes("P(max)"), replicated, 4 * num_params, "optimizer", "chunked gradient flags")
+    return out
