@@ -1,28 +1,46 @@
 """The sharding ILP (Alpa §4 in our words), built with PuLP and solved by CBC or HiGHS.
 
-Variables
-    x[v, p] ∈ {0,1}   option p of variable v (groups.py maps nodes onto variables)
-    e[a, b, p, q] ≥ 0 option pair of two variables joined by an edge whose cost is not separable
-    c_k ≥ 0           activation bytes saved up to the k-th memory check point
-Constraints
-    Σ_p x[v, p] = 1                                      one option per variable
-    Σ_q e[a, b, p, q] = x[a, p],  Σ_p e[a, b, p, q] = x[b, q]   e is the outer product of two one-hots
-    (options of a whose cost and memory rows are identical share one row of e, and so do columns: the
-    row constraint then reads Σ_q e[a, b, r, q] = Σ_{p in row class r} x[a, p]; still exact for
-    one-hot x, and 125x125 pairs on 3-D meshes shrink to a few hundred entries)
-    c_k = c_{k−1} + Σ_{ops i in (t_{k−1}, t_k]} (saved_i · x + gathered_i · e)      (cumulative saved bytes;
-          gathered: parameter copies an op saves after an all-gather, a function of the pair)
-    Σ_params state · x + c_k + transient_{t_k} · x ≤ M   at every check point t_k (Alpa's per-step peak)
-    Σ_params state · x + c_last + backward_extra_n · x_n ≤ M   (backward: per node n that adds bytes there)
-    Σ_params (state + 2 · grad) · x ≤ M                  (end of backward: gradients and their synced copies)
-Objective (seconds; handed to the solver in microseconds, with a relative gap of 1e-9, so that
-differences of well under a microsecond still decide)
-    min Σ_v node_cost[v] · x[v] + Σ_(a,b) pair_cost[a, b] · e[a, b]
+The coefficients come from strategies/groups.py (``Problem``: nodes mapped onto variables, with
+costs from cost/model.py and memory terms from memory/model.py); this module writes them into one
+mixed-integer program. Each part below names the function that adds it.
 
-Check points are the op steps with a transient term and the last op step; with saved bytes never
-decreasing, the other steps cannot hold the peak. With M absent the memory rows are left out.
-For an infeasible budget, ``minimize_peak`` solves the same model with M as the objective.
-Given one-hot x the transport rows force e to be integral, so e is continuous.
+Variables
+    x[v, p] ∈ {0,1}       option p of variable v                                 ``_choice_variables``
+    e[a, b, r, s] ∈ [0,1]  option pair of variables a < b joined by an edge whose cost is not
+                          separable (``Problem.pair_cost``), per class r of a's options and class s of
+                          b's (options whose cost and memory rows are identical share a class, so
+                          125x125 pairs on 3-D meshes shrink to a few hundred entries)  ``_pair_variables``
+    c_k ≥ 0               activation bytes saved up to the k-th memory check point     ``_memory_rows``
+    peak ≥ 0              only with ``minimize_peak``: the memory limit M, minimized      ``build``
+Constraints
+    one_v       Σ_p x[v, p] = 1                                  one option per variable
+                                                                                        ``_choice_variables``
+    row_a_b_r   Σ_s e[a, b, r, s] = Σ_{p in class r} x[a, p]     e is the outer product of two one-hots
+    col_a_b_s   Σ_r e[a, b, r, s] = Σ_{q in class s} x[b, q]     (exact for one-hot x, which also makes
+                                                                 e integral: e is continuous)
+                                                                                        ``_pair_variables``
+    With a memory limit M (``memory_budget`` bytes, or ``peak``), all in MiB, where
+    S = Σ_(placeholders) state · x (parameters with optimizer state, inputs, buffers):  ``_memory_rows``
+    cum_k       c_k = c_{k−1} + Σ_{ops i in (t_{k−1}, t_k]} (saved_i · x + gathered_i · e)
+                (cumulative saved bytes; gathered: parameter copies an op saves after an
+                all-gather, a function of the pair)
+    mem_k       S + c_k + transient_{t_k} · x ≤ M                at every check point t_k (Alpa's
+                                                                 per-step peak)
+    mem_state   S ≤ M                                            when there is no check point
+    mem_backward_i  S + c_last + backward_extra_n · x ≤ M        per node n whose backward adds bytes
+                                                                 (memory.backward_extra_bytes)
+    mem_grads   S + Σ_params 2 · grad · x ≤ M                    end of backward: gradients and their
+                                                                 synchronized copies
+    Check points t_k are the op steps with a transient term and the last op step; with saved bytes
+    never decreasing, the other steps cannot hold the peak. Without M the memory rows are left out.
+Objective                                                                               ``build``
+    min Σ_v node_cost[v] · x[v] + Σ_(a,b) pair_cost[a, b] · e[a, b]     (seconds, handed to the
+    solver in microseconds with a relative gap of 1e-9, so that differences of well under a
+    microsecond still decide), or with ``minimize_peak`` (an infeasible budget) min peak.
+
+``solve_ilp`` solves the model with one thread and a fixed seed (``_solver``: same inputs, same
+plan); a solve the time limit cut short reports its gap (``_gap``: HiGHS's own, or for CBC the LP
+relaxation's bound, the same model built with ``relax``).
 """
 
 from __future__ import annotations
@@ -88,15 +106,36 @@ def _expr(terms: list) -> pulp.LpAffineExpression:
 
 
 def build(problem: Problem, memory_budget: int | None, *, minimize_peak: bool = False, relax: bool = False):
-    """The PuLP model of ``problem`` (module docstring); returns (model, x variables, peak variable)."""
-    cat = pulp.LpContinuous if relax else pulp.LpBinary
+    """The PuLP model of ``problem`` (module docstring); returns (model, x variables)."""
     prob = pulp.LpProblem("cauto_sharding", pulp.LpMinimize)
-    x = [[pulp.LpVariable(f"x_{v}_{p}", 0, 1, cat) for p in range(n)] for v, n in enumerate(problem.var_sizes)]
-    for v, xs in enumerate(x):
-        prob += pulp.lpSum(xs) == 1, f"one_{v}"
+    x = _choice_variables(prob, problem, pulp.LpContinuous if relax else pulp.LpBinary)
     objective = []
     for v, xs in enumerate(x):
         objective += _dot(problem.node_cost[v] * SCALE, xs)
+    pair_e = _pair_variables(prob, problem, x, objective)
+    peak = None
+    if memory_budget is not None or minimize_peak:
+        peak = pulp.LpVariable("peak", 0) if minimize_peak else None
+        _memory_rows(prob, problem, x, pair_e, peak if minimize_peak else float(memory_budget) * MEM_SCALE)
+    if minimize_peak:
+        prob.setObjective(pulp.LpAffineExpression([(peak, 1.0)]))
+    else:
+        prob.setObjective(_expr(objective))
+    return prob, x
+
+
+def _choice_variables(prob: pulp.LpProblem, problem: Problem, cat: str) -> list[list]:
+    """x[v][p], with the row ``one_v`` choosing one option per variable."""
+    x = [[pulp.LpVariable(f"x_{v}_{p}", 0, 1, cat) for p in range(n)] for v, n in enumerate(problem.var_sizes)]
+    for v, xs in enumerate(x):
+        prob += pulp.lpSum(xs) == 1, f"one_{v}"
+    return x
+
+
+def _pair_variables(prob: pulp.LpProblem, problem: Problem, x: list[list],
+                    objective: list) -> dict[tuple[int, int], tuple[list, np.ndarray, np.ndarray]]:
+    """e of every pair with a cost matrix, with its transport rows; adds the pair costs to ``objective``.
+    Returns (a, b) -> (e[r][s], the first option of each class of a's, the first of each class of b's)."""
     pair_e: dict[tuple[int, int], tuple[list, np.ndarray, np.ndarray]] = {}
     for (a, b), m in sorted(problem.pair_cost.items()):
         mats = [m, *problem.pair_mem.get((a, b), [])]
@@ -118,41 +157,39 @@ def build(problem: Problem, memory_budget: int | None, *, minimize_peak: bool = 
         objective += [(e[i][j], float(reduced[i, j]) * SCALE) for i in range(na) for j in range(nb)
                       if reduced[i, j] != 0.0]
         pair_e[(a, b)] = (e, np.array(first_row), np.array(first_col))
-    peak = None
-    if memory_budget is not None or minimize_peak:
-        peak = pulp.LpVariable("peak", 0) if minimize_peak else None
-        limit = peak if minimize_peak else float(memory_budget) * MEM_SCALE
-        state = _expr([t for v, coef in problem.state_terms for t in _dot(coef * MEM_SCALE, x[v])])
-        prev = None
-        pending: list = []
-        last = len(problem.step_terms) - 1
-        for t, step in enumerate(problem.step_terms):
-            tv, trans = step.transient
-            for sv, saved in step.saved:
-                pending += _dot(saved * MEM_SCALE, x[sv])
-            for a, b, i in step.pair_saved:
-                e, rows, cols = pair_e[(a, b)]
-                mem = problem.pair_mem[(a, b)][i][np.ix_(rows, cols)]
-                pending += [(e[r][c], float(mem[r, c]) * MEM_SCALE) for r, c in zip(*np.nonzero(mem))]
-            if not trans.any() and t != last:
-                continue
-            c = pulp.LpVariable(f"c_{t}", 0)
-            prob += c == _expr(pending) + (prev if prev is not None else 0), f"cum_{t}"
-            prob += state + c + _expr(_dot(trans * MEM_SCALE, x[tv])) <= limit, f"mem_{t}"
-            prev, pending = c, []
-        if prev is None:
-            prob += state <= limit, "mem_state"
-        if prev is not None:  # one check per node whose backward adds bytes (memory.backward_extra_bytes)
-            for i, (v, coef) in enumerate(problem.backward_terms):
-                prob += state + prev + _expr(_dot(coef * MEM_SCALE, x[v])) <= limit, f"mem_backward_{i}"
-        if problem.grad_terms:
-            grads = _expr([t for v, coef in problem.grad_terms for t in _dot(coef * MEM_SCALE, x[v])])
-            prob += state + grads <= limit, "mem_grads"
-    if minimize_peak:
-        prob.setObjective(pulp.LpAffineExpression([(peak, 1.0)]))
-    else:
-        prob.setObjective(_expr(objective))
-    return prob, x
+    return pair_e
+
+
+def _memory_rows(prob: pulp.LpProblem, problem: Problem, x: list[list],
+                 pair_e: dict[tuple[int, int], tuple[list, np.ndarray, np.ndarray]], limit) -> None:
+    """The memory rows cum_k, mem_k (or mem_state), mem_backward_i and mem_grads under ``limit`` (MiB,
+    or the peak variable)."""
+    state = _expr([t for v, coef in problem.state_terms for t in _dot(coef * MEM_SCALE, x[v])])
+    prev = None
+    pending: list = []
+    last = len(problem.step_terms) - 1
+    for t, step in enumerate(problem.step_terms):
+        tv, trans = step.transient
+        for sv, saved in step.saved:
+            pending += _dot(saved * MEM_SCALE, x[sv])
+        for a, b, i in step.pair_saved:
+            e, rows, cols = pair_e[(a, b)]
+            mem = problem.pair_mem[(a, b)][i][np.ix_(rows, cols)]
+            pending += [(e[r][c], float(mem[r, c]) * MEM_SCALE) for r, c in zip(*np.nonzero(mem))]
+        if not trans.any() and t != last:
+            continue
+        c = pulp.LpVariable(f"c_{t}", 0)
+        prob += c == _expr(pending) + (prev if prev is not None else 0), f"cum_{t}"
+        prob += state + c + _expr(_dot(trans * MEM_SCALE, x[tv])) <= limit, f"mem_{t}"
+        prev, pending = c, []
+    if prev is None:
+        prob += state <= limit, "mem_state"
+    if prev is not None:  # one check per node whose backward adds bytes (memory.backward_extra_bytes)
+        for i, (v, coef) in enumerate(problem.backward_terms):
+            prob += state + prev + _expr(_dot(coef * MEM_SCALE, x[v])) <= limit, f"mem_backward_{i}"
+    if problem.grad_terms:
+        grads = _expr([t for v, coef in problem.grad_terms for t in _dot(coef * MEM_SCALE, x[v])])
+        prob += state + grads <= limit, "mem_grads"
 
 
 @contextlib.contextmanager
