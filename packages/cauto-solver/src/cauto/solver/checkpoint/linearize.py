@@ -101,7 +101,43 @@ def build_chain(graph_doc: dict, *, shard_scale: ShardScale | None = None, max_s
     P = len(ops)
     pos = {n["id"]: p for p, n in enumerate(ops)}
     div = {n["id"]: _divisors(shard_scale, n["id"]) for n in nodes}
+    tensors = _tensors(nodes, pos, div, _needs_grad(nodes), P)
+    keys = list(tensors)
+    count, size_at, key_sum = _live_across(tensors, P)
+    fwd_of = [_phase_s(n.get("fwd_flops", 0.0), n.get("fwd_bytes", 0.0), n.get("fwd_time_s", 0.0),
+                       div[n["id"]][1], dev) for n in ops]
+    bwd_of = [_phase_s(n.get("bwd_flops", 0.0), n.get("bwd_bytes", 0.0), n.get("bwd_time_s", 0.0),
+                       div[n["id"]][1], dev) for n in ops]
+    candidates = _cut_candidates(ops, pos, keys, count, key_sum)
+    cuts = _choose_cuts(candidates, np.array(fwd_of) + np.array(bwd_of), max_stages)
+    bounds = [0, *cuts, P]
+    stage_of = np.zeros(P, dtype=np.int64)
+    for i in range(len(bounds) - 1):
+        stage_of[bounds[i]:bounds[i + 1]] = i
 
+    n_st = len(bounds) - 1
+    x = np.zeros(n_st + 1, dtype=np.int64)
+    x[0] = sum(t[2] for t in tensors.values() if t[0] == -1 and t[3] and t[1] is not None)
+    for i in range(1, n_st + 1):
+        x[i] = size_at[bounds[i]]
+    crossing_key = {bounds[i]: keys[int(key_sum[bounds[i]])] for i in range(1, n_st + 1) if count[bounds[i]] == 1}
+    inside, const_bytes = _inside_bytes(tensors, ops, bounds, stage_of)
+    fwd, bwd, saved, ftmp, btmp, saved_of = _stage_sums(ops, div, tensors, bounds, stage_of, crossing_key, inside,
+                                                        fwd_of, bwd_of, activation_scale)
+    xbar = np.zeros(n_st + 1, dtype=np.int64)
+    for i in range(n_st):
+        out_key = crossing_key.get(bounds[i + 1])
+        if i == n_st - 1:
+            out_key = next((k for k, t in tensors.items() if t[1] == P and t[3]), None)
+        producer_saved = saved_of.get(out_key[0], 0) if out_key else 0
+        xbar[i + 1] = saved[i] + x[i + 1] - min(x[i + 1], producer_saved)
+    stage_nodes = tuple(tuple(n["id"] for n in ops[bounds[i]:bounds[i + 1]]) for i in range(n_st))
+    return Chain(fwd_s=fwd, bwd_s=bwd, x_bytes=x, xbar_bytes=xbar, ftmp_bytes=ftmp, btmp_bytes=btmp,
+                 stage_nodes=stage_nodes, const_bytes=int(const_bytes))
+
+
+def _needs_grad(nodes: list[dict]) -> dict[str, bool]:
+    """node id -> whether its outputs need a gradient (module docstring: activations)."""
     grad: dict[str, bool] = {}
     for n in nodes:
         k = n["kind"]
@@ -117,8 +153,13 @@ def build_chain(graph_doc: dict, *, shard_scale: ShardScale | None = None, max_s
             grad[n["id"]] = any(grad[_ref(r)[0]] for r in n["inputs"])
         else:
             grad[n["id"]] = False
+    return grad
 
-    # every tensor made by an op or an input: (producer position, last reader position, bytes, activation?)
+
+def _tensors(nodes: list[dict], pos: dict[str, int], div: dict[str, tuple[float, float]], grad: dict[str, bool],
+             P: int) -> dict[tuple[str, int], list]:
+    """Every tensor made by an op or an input: (producer position, last reader position, bytes per
+    device, activation?); an input's producer position is -1, the output node reads at P."""
     tensors: dict[tuple[str, int], list] = {}
     for n in nodes:
         if n["kind"] not in ("op", "input"):
@@ -136,13 +177,16 @@ def build_chain(graph_doc: dict, *, shard_scale: ShardScale | None = None, max_s
             if key in tensors:
                 t = tensors[key]
                 t[1] = reader if t[1] is None else max(t[1], reader)
+    return tensors
 
-    # activations live across each boundary p (between ops p−1 and p; p = P is the end)
+
+def _live_across(tensors: dict[tuple[str, int], list], P: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per boundary p (between ops p−1 and p; p = P is the end): how many activations are live across
+    it, their bytes, and the sum of their indices in ``tensors`` (where one is: its index)."""
     count = np.zeros(P + 2, dtype=np.int64)
     size_at = np.zeros(P + 2, dtype=np.int64)
-    keys = list(tensors)
     key_sum = np.zeros(P + 2, dtype=np.int64)
-    for idx, key in enumerate(keys):
+    for idx, key in enumerate(tensors):
         a, b, size, act = tensors[key]
         if act and b is not None and b > a:
             count[a + 1] += 1
@@ -151,14 +195,14 @@ def build_chain(graph_doc: dict, *, shard_scale: ShardScale | None = None, max_s
             size_at[b + 1] -= size
             key_sum[a + 1] += idx
             key_sum[b + 1] -= idx
-    count, size_at, key_sum = np.cumsum(count), np.cumsum(size_at), np.cumsum(key_sum)
-    fwd_of = [_phase_s(n.get("fwd_flops", 0.0), n.get("fwd_bytes", 0.0), n.get("fwd_time_s", 0.0),
-                       div[n["id"]][1], dev) for n in ops]
-    bwd_of = [_phase_s(n.get("bwd_flops", 0.0), n.get("bwd_bytes", 0.0), n.get("bwd_time_s", 0.0),
-                       div[n["id"]][1], dev) for n in ops]
-    time_w = np.array(fwd_of) + np.array(bwd_of)
+    return np.cumsum(count), np.cumsum(size_at), np.cumsum(key_sum)
+
+
+def _cut_candidates(ops: list[dict], pos: dict[str, int], keys: list[tuple[str, int]], count: np.ndarray,
+                    key_sum: np.ndarray) -> list[int]:
+    """The boundaries a cut may fall at (module docstring)."""
     candidates, previous = [], None
-    for p in range(1, P):
+    for p in range(1, len(ops)):
         if count[p] > 1:
             continue
         key = keys[int(key_sum[p])] if count[p] == 1 else None
@@ -166,22 +210,16 @@ def build_chain(graph_doc: dict, *, shard_scale: ShardScale | None = None, max_s
             continue  # a view aliases its base; a tensor already cut at would make a pass-through stage
         candidates.append(p)
         previous = key
-    cuts = _choose_cuts(candidates, time_w, max_stages)
-    bounds = [0, *cuts, P]
-    stage_of = np.zeros(P, dtype=np.int64)
-    for i in range(len(bounds) - 1):
-        stage_of[bounds[i]:bounds[i + 1]] = i
+    return candidates
 
-    n_st = len(bounds) - 1
-    x = np.zeros(n_st + 1, dtype=np.int64)
-    x[0] = sum(t[2] for t in tensors.values() if t[0] == -1 and t[3] and t[1] is not None)
-    for i in range(1, n_st + 1):
-        x[i] = size_at[bounds[i]]
 
-    # ftmp: tensors made and read inside one stage, live from their producer to their last reader
+def _inside_bytes(tensors: dict[tuple[str, int], list], ops: list[dict], bounds: list[int],
+                  stage_of: np.ndarray) -> tuple[np.ndarray, int]:
+    """(per op position: bytes of the tensors made and read inside its stage live there, from their
+    producer to their last reader (views: 0), constants read across a cut)."""
+    P = len(ops)
     inside = np.zeros(P + 1, dtype=np.int64)
     const_bytes = 0
-    crossing_key = {bounds[i]: keys[int(key_sum[bounds[i]])] for i in range(1, n_st + 1) if count[bounds[i]] == 1}
     for a, b, size, act in tensors.values():
         if a < 0:
             continue
@@ -193,8 +231,14 @@ def build_chain(graph_doc: dict, *, shard_scale: ShardScale | None = None, max_s
             inside[last + 1] -= size
         elif not act:
             const_bytes += size
-    inside = np.cumsum(inside)[:P]
+    return np.cumsum(inside)[:P], const_bytes
 
+
+def _stage_sums(ops: list[dict], div: dict[str, tuple[float, float]], tensors: dict[tuple[str, int], list],
+                bounds: list[int], stage_of: np.ndarray, crossing_key: dict[int, tuple[str, int]], inside: np.ndarray,
+                fwd_of: list[float], bwd_of: list[float], activation_scale: float):
+    """Per stage: (uf, ub, Σ saved_bytes, ftmp, btmp) (module docstring), and each op's saved bytes."""
+    n_st = len(bounds) - 1
     fwd = np.zeros(n_st)
     bwd = np.zeros(n_st)
     saved = np.zeros(n_st, dtype=np.int64)
@@ -218,17 +262,7 @@ def build_chain(graph_doc: dict, *, shard_scale: ShardScale | None = None, max_s
             if key in tensors and tensors[key][3] and key != stage_in:
                 grads += tensors[key][2]
         btmp[i] = max(btmp[i], grads + transient)
-
-    xbar = np.zeros(n_st + 1, dtype=np.int64)
-    for i in range(n_st):
-        out_key = crossing_key.get(bounds[i + 1])
-        if i == n_st - 1:
-            out_key = next((k for k, t in tensors.items() if t[1] == P and t[3]), None)
-        producer_saved = saved_of.get(out_key[0], 0) if out_key else 0
-        xbar[i + 1] = saved[i] + x[i + 1] - min(x[i + 1], producer_saved)
-    stage_nodes = tuple(tuple(n["id"] for n in ops[bounds[i]:bounds[i + 1]]) for i in range(n_st))
-    return Chain(fwd_s=fwd, bwd_s=bwd, x_bytes=x, xbar_bytes=xbar, ftmp_bytes=ftmp, btmp_bytes=btmp,
-                 stage_nodes=stage_nodes, const_bytes=int(const_bytes))
+    return fwd, bwd, saved, ftmp, btmp, saved_of
 
 
 def _choose_cuts(candidates: list[int], time_w: np.ndarray, max_stages: int) -> list[int]:

@@ -44,72 +44,29 @@ def gpt_graph(layers: int = 4, batch: int = 8, seq: int = 256, hidden: int = 512
     """A graph document of a GPT-style model (see the module docstring)."""
     B, T, H, V, hd = batch, seq, hidden, vocab, hidden // heads
     act = (B, T, H)
-    nodes: list[dict] = []
-
-    def node(id_, kind, op, module, inputs, outputs, **kw):
-        nodes.append({"id": id_, "kind": kind, "op": op, "module": module, "inputs": inputs,
-                      "outputs": outputs, **kw})
-
-    def op(id_, op_name, module, inputs, out_shape, flops=0.0, saved=0, transient=0, dtype="float32",
-           bwd_factor=2.0, layer=None, index=None, params=()):
-        out = _meta(out_shape, dtype)
-        moved = out["bytes"] * 2
-        fwd_s = max(flops / flops_per_s, moved / bytes_per_s)
-        node(id_, "op", op_name, module, inputs, [out], fwd_flops=flops, bwd_flops=bwd_factor * flops,
-             fwd_bytes=moved, bwd_bytes=bwd_factor * moved, fwd_time_s=fwd_s, bwd_time_s=bwd_factor * fwd_s,
-             saved_bytes=int(saved),
-             transient_bytes=int(transient), params=list(params), layer=layer, layer_index=index)
-        return out["bytes"]
-
-    def param(id_, module, shape):
-        node(id_, "param", "param", module, [], [_meta(shape)], target=f"{module}.{id_.split('.')[-1]}",
-             requires_grad=True)
-
-    node("ids", "input", "input", "", [], [_meta((B, T), "int64")])
-    node("labels", "input", "input", "", [], [_meta((B, T), "int64")])
-    node("inv_freq", "buffer", "buffer", "rotary", [], [_meta((hd // 2,))], target="rotary.inv_freq")
-    param("wte.weight", "wte", (V, H))
-    op("positions", "aten.arange.default", "rotary", [], (T,), dtype="int64")
-    op("rope_cos", "aten.cos.default", "rotary", ["positions", "inv_freq"], (T, hd))
-    op("rope_sin", "aten.sin.default", "rotary", ["positions", "inv_freq"], (T, hd))
-    op("mask", "aten.triu.default", "", [], (T, T), dtype="bool")
+    w = _NodeWriter(flops_per_s, bytes_per_s)
+    w.node("ids", "input", "input", "", [], [_meta((B, T), "int64")])
+    w.node("labels", "input", "input", "", [], [_meta((B, T), "int64")])
+    w.node("inv_freq", "buffer", "buffer", "rotary", [], [_meta((hd // 2,))], target="rotary.inv_freq")
+    w.param("wte.weight", "wte", (V, H))
+    w.op("positions", "aten.arange.default", "rotary", [], (T,), dtype="int64")
+    w.op("rope_cos", "aten.cos.default", "rotary", ["positions", "inv_freq"], (T, hd))
+    w.op("rope_sin", "aten.sin.default", "rotary", ["positions", "inv_freq"], (T, hd))
+    w.op("mask", "aten.triu.default", "", [], (T, T), dtype="bool")
     a = _meta(act)["bytes"]
-    op("embed", "aten.embedding.default", "wte", ["ids", "wte.weight"], act, saved=a, params=["wte.weight"])
+    w.op("embed", "aten.embedding.default", "wte", ["ids", "wte.weight"], act, saved=a, params=["wte.weight"])
     x = "embed"
     for i in range(layers):
-        m = f"h.{i}"
-        kw = {"layer": "h.*", "index": i}
-        for w, shape in (("attn.qkv", (3 * H, H)), ("attn.proj", (H, H)), ("mlp.fc", (4 * H, H)),
-                         ("mlp.proj", (H, 4 * H))):
-            param(f"{m}.{w}.weight", f"{m}.{w}", shape)
-        small = B * T * 8
-        op(f"{m}.ln1", "aten.layer_norm.default", f"{m}.ln_1", [x], act, saved=a + small, **kw)
-        op(f"{m}.qkv", "aten.linear.default", f"{m}.attn.qkv", [f"{m}.ln1", f"{m}.attn.qkv.weight"],
-           (B, T, 3 * H), flops=2 * B * T * H * 3 * H, params=[f"{m}.attn.qkv.weight"], **kw)
-        op(f"{m}.rope", "aten.mul.Tensor", f"{m}.attn", [f"{m}.qkv", "rope_cos", "rope_sin"], (B, T, 3 * H),
-           saved=3 * a, bwd_factor=1.0, **kw)
-        op(f"{m}.sdpa", "aten.scaled_dot_product_attention.default", f"{m}.attn", [f"{m}.rope", "mask"], act,
-           flops=4 * B * T * T * H, saved=a + B * heads * T * 4, transient=B * heads * T * T * 4, **kw)
-        op(f"{m}.proj", "aten.linear.default", f"{m}.attn.proj", [f"{m}.sdpa", f"{m}.attn.proj.weight"], act,
-           flops=2 * B * T * H * H, params=[f"{m}.attn.proj.weight"], **kw)
-        op(f"{m}.add1", "aten.add.Tensor", m, [x, f"{m}.proj"], act, saved=a, bwd_factor=1.0, **kw)
-        op(f"{m}.ln2", "aten.layer_norm.default", f"{m}.ln_2", [f"{m}.add1"], act, saved=a + small, **kw)
-        op(f"{m}.fc", "aten.linear.default", f"{m}.mlp.fc", [f"{m}.ln2", f"{m}.mlp.fc.weight"], (B, T, 4 * H),
-           flops=8 * B * T * H * H, saved=4 * a, params=[f"{m}.mlp.fc.weight"], **kw)
-        op(f"{m}.gelu", "aten.gelu.default", f"{m}.mlp.act", [f"{m}.fc"], (B, T, 4 * H), saved=4 * a,
-           bwd_factor=1.0, **kw)
-        op(f"{m}.fc2", "aten.linear.default", f"{m}.mlp.proj", [f"{m}.gelu", f"{m}.mlp.proj.weight"], act,
-           flops=8 * B * T * H * H, params=[f"{m}.mlp.proj.weight"], **kw)
-        op(f"{m}.add2", "aten.add.Tensor", m, [f"{m}.add1", f"{m}.fc2"], act, saved=a, bwd_factor=1.0, **kw)
-        x = f"{m}.add2"
-    param("ln_f.weight", "ln_f", (H,))
-    op("ln_f", "aten.layer_norm.default", "ln_f", [x, "ln_f.weight"], act, saved=a + B * T * 8,
-       params=["ln_f.weight"])
+        x = _decoder_layer(w, i, x, B, T, H, heads)
+    w.param("ln_f.weight", "ln_f", (H,))
+    w.op("ln_f", "aten.layer_norm.default", "ln_f", [x, "ln_f.weight"], act, saved=a + B * T * 8,
+         params=["ln_f.weight"])
     logits = B * T * V * 4
-    op("lm_head", "aten.linear.default", "lm_head", ["ln_f", "wte.weight"], (B, T, V), flops=2 * B * T * H * V,
-       saved=logits, params=["wte.weight"])
-    op("loss", "aten.cross_entropy_loss.default", "", ["lm_head", "labels"], (), transient=logits)
-    node("output", "output", "output", "", ["loss"], [])
+    w.op("lm_head", "aten.linear.default", "lm_head", ["ln_f", "wte.weight"], (B, T, V), flops=2 * B * T * H * V,
+         saved=logits, params=["wte.weight"])
+    w.op("loss", "aten.cross_entropy_loss.default", "", ["lm_head", "labels"], (), transient=logits)
+    w.node("output", "output", "output", "", ["loss"], [])
+    nodes = w.nodes
     num_params = sum(int(np.prod(n["outputs"][0]["shape"])) for n in nodes if n["kind"] == "param")
     return {
         "schema_version": "1.0", "kind": "graph", "fingerprint": graph_fingerprint(nodes),
@@ -121,6 +78,64 @@ def gpt_graph(layers: int = 4, batch: int = 8, seq: int = 256, hidden: int = 512
         "nodes": nodes,
         "memory": {"peak_bytes": 0, "phases": {}},
     }
+
+
+def _decoder_layer(w: _NodeWriter, i: int, x: str, B: int, T: int, H: int, heads: int) -> str:
+    """Write pre-LayerNorm decoder layer ``i`` reading ``x``; return the id of its output."""
+    act = (B, T, H)
+    a = _meta(act)["bytes"]
+    m = f"h.{i}"
+    kw = {"layer": "h.*", "index": i}
+    for name, shape in (("attn.qkv", (3 * H, H)), ("attn.proj", (H, H)), ("mlp.fc", (4 * H, H)),
+                        ("mlp.proj", (H, 4 * H))):
+        w.param(f"{m}.{name}.weight", f"{m}.{name}", shape)
+    small = B * T * 8
+    w.op(f"{m}.ln1", "aten.layer_norm.default", f"{m}.ln_1", [x], act, saved=a + small, **kw)
+    w.op(f"{m}.qkv", "aten.linear.default", f"{m}.attn.qkv", [f"{m}.ln1", f"{m}.attn.qkv.weight"],
+         (B, T, 3 * H), flops=2 * B * T * H * 3 * H, params=[f"{m}.attn.qkv.weight"], **kw)
+    w.op(f"{m}.rope", "aten.mul.Tensor", f"{m}.attn", [f"{m}.qkv", "rope_cos", "rope_sin"], (B, T, 3 * H),
+         saved=3 * a, bwd_factor=1.0, **kw)
+    w.op(f"{m}.sdpa", "aten.scaled_dot_product_attention.default", f"{m}.attn", [f"{m}.rope", "mask"], act,
+         flops=4 * B * T * T * H, saved=a + B * heads * T * 4, transient=B * heads * T * T * 4, **kw)
+    w.op(f"{m}.proj", "aten.linear.default", f"{m}.attn.proj", [f"{m}.sdpa", f"{m}.attn.proj.weight"], act,
+         flops=2 * B * T * H * H, params=[f"{m}.attn.proj.weight"], **kw)
+    w.op(f"{m}.add1", "aten.add.Tensor", m, [x, f"{m}.proj"], act, saved=a, bwd_factor=1.0, **kw)
+    w.op(f"{m}.ln2", "aten.layer_norm.default", f"{m}.ln_2", [f"{m}.add1"], act, saved=a + small, **kw)
+    w.op(f"{m}.fc", "aten.linear.default", f"{m}.mlp.fc", [f"{m}.ln2", f"{m}.mlp.fc.weight"], (B, T, 4 * H),
+         flops=8 * B * T * H * H, saved=4 * a, params=[f"{m}.mlp.fc.weight"], **kw)
+    w.op(f"{m}.gelu", "aten.gelu.default", f"{m}.mlp.act", [f"{m}.fc"], (B, T, 4 * H), saved=4 * a,
+         bwd_factor=1.0, **kw)
+    w.op(f"{m}.fc2", "aten.linear.default", f"{m}.mlp.proj", [f"{m}.gelu", f"{m}.mlp.proj.weight"], act,
+         flops=8 * B * T * H * H, params=[f"{m}.mlp.proj.weight"], **kw)
+    w.op(f"{m}.add2", "aten.add.Tensor", m, [f"{m}.add1", f"{m}.fc2"], act, saved=a, bwd_factor=1.0, **kw)
+    return f"{m}.add2"
+
+
+class _NodeWriter:
+    """The node list of a graph document, written node by node; an op's times come from its FLOPs and
+    the bytes it moves (its output twice) at ``flops_per_s`` and ``bytes_per_s``."""
+
+    def __init__(self, flops_per_s: float, bytes_per_s: float):
+        self.nodes: list[dict] = []
+        self.flops_per_s, self.bytes_per_s = flops_per_s, bytes_per_s
+
+    def node(self, id_, kind, op, module, inputs, outputs, **kw) -> None:
+        self.nodes.append({"id": id_, "kind": kind, "op": op, "module": module, "inputs": inputs,
+                           "outputs": outputs, **kw})
+
+    def op(self, id_, op_name, module, inputs, out_shape, flops=0.0, saved=0, transient=0, dtype="float32",
+           bwd_factor=2.0, layer=None, index=None, params=()) -> None:
+        out = _meta(out_shape, dtype)
+        moved = out["bytes"] * 2
+        fwd_s = max(flops / self.flops_per_s, moved / self.bytes_per_s)
+        self.node(id_, "op", op_name, module, inputs, [out], fwd_flops=flops, bwd_flops=bwd_factor * flops,
+                  fwd_bytes=moved, bwd_bytes=bwd_factor * moved, fwd_time_s=fwd_s, bwd_time_s=bwd_factor * fwd_s,
+                  saved_bytes=int(saved),
+                  transient_bytes=int(transient), params=list(params), layer=layer, layer_index=index)
+
+    def param(self, id_, module, shape) -> None:
+        self.node(id_, "param", "param", module, [], [_meta(shape)], target=f"{module}.{id_.split('.')[-1]}",
+                  requires_grad=True)
 
 
 def synthetic_sharding(graph_doc: dict, *, devices: int = 8, bandwidth_bytes_per_s: float = 2e9):

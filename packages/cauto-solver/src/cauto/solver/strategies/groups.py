@@ -185,102 +185,99 @@ def build_problem(graph: GraphDocument, strategies: dict[str, list[Strategy]], c
 
     ``progress("costs", done, total)`` hears each node done."""
     nodes = [n for n in graph.nodes if n.kind != "output"]
-    by_id = {n.id: n for n in nodes}
-    rg = tensor_requires_grad(nodes, cost.train)
-    fan = fanouts(nodes)
-    p = Problem(nodes=nodes, strategies=strategies)
-    shared = _layer_signatures(nodes) if share_layers else {}
-    compute = {n.id: np.array([cost.compute_s(n, s) for s in strategies[n.id]]) for n in nodes}
-    pair: dict[tuple[int, int], np.ndarray] = {}
-    gathered_cache: dict = {}
-
-    def add_pair(a: int, b: int, m: np.ndarray) -> None:
-        if a == b:
-            p.node_cost[a] += np.diag(m)
-            return
-        if a > b:
-            a, b, m = b, a, m.T
-        pair[(a, b)] = pair[(a, b)] + m if (a, b) in pair else m.copy()
-
-    def edge_block(n: GraphNode, k: int, ref: str) -> tuple[int, np.ndarray, np.ndarray]:
-        src, o = split_ref(ref)
-        pv, pidx = p.node_map[src]
-        src_pls = tuple(strategies[src][i].outputs[o] for i in pidx)
-        m = cost.edge_matrix(src_pls, tuple(strategies[n.id]), k, by_id[src].outputs[o].bytes, rg[src],
-                             fan[f"{src}#{o}"])
-        return pv, pidx, m
-
-    def gathered(n: GraphNode, k: int, ref: str, cols: np.ndarray) -> tuple[int, np.ndarray] | None:
-        """(param variable, bytes[param option, column]) of the saved copy of a gathered parameter."""
-        src = by_id[split_ref(ref)[0]]
-        if src.kind != "param":
-            return None
-        pv, pidx = p.node_map[src.tied_to or src.id]
-        owner = strategies[src.tied_to or src.id]
-        # strategy lists are shared by identical nodes (enumerate_strategies), so their ids key the cache
-        key = (id(strategies[n.id]), k, id(owner), src.outputs[0].bytes, n.labels and n.labels.rule,
-               pidx.tobytes(), cols.tobytes())
-        mem = gathered_cache.get(key)
-        if mem is None:
-            mem = np.array([[memory.gathered_bytes(n, src, owner[i].outputs[0], strategies[n.id][j].inputs[k])
-                             for j in cols] for i in pidx], dtype=float)
-            gathered_cache[key] = mem
-        return (pv, mem) if mem.any() else None
-
-    def add_pair_mem(a: int, b: int, m: np.ndarray, step: StepTerms) -> None:
-        if a == b:
-            step.saved.append((a, np.diag(m).copy()))
-            return
-        if a > b:
-            a, b, m = b, a, m.T
-        mats = p.pair_mem.setdefault((a, b), [])
-        mats.append(m)
-        step.pair_saved.append((a, b, len(mats) - 1))
-
+    builder = _ProblemBuilder(nodes, strategies, cost, memory, share_layers)
     for done, n in enumerate(nodes):
         if progress is not None:
             progress("costs", done, len(nodes))
-        strats = strategies[n.id]
-        leader = None
-        if follow and is_light(n) and len(strats) > 1:
-            cands = [(by_id[split_ref(r)[0]].outputs[split_ref(r)[1]].bytes, -k, k, r) for k, r in enumerate(n.inputs)
-                     if by_id[split_ref(r)[0]].kind == "op"]
-            if cands:
-                leader = max(cands)[2:]
+        builder.add(n, follow)
+    if progress is not None:
+        progress("costs", len(nodes), len(nodes))
+    return builder.folded()
+
+
+class _ProblemBuilder:
+    """The Problem of build_problem, node by node in graph order: each node becomes a follower or a
+    root (``add``), its edges add to the costs of variable pairs and its placeholder or op terms to the
+    memory terms; ``folded`` then moves what is separable into node costs."""
+
+    def __init__(self, nodes: list[GraphNode], strategies: dict[str, list[Strategy]], cost: CostModel,
+                 memory: MemoryModel, share_layers: bool):
+        self.by_id = {n.id: n for n in nodes}
+        self.strategies, self.cost, self.memory = strategies, cost, memory
+        self.rg = tensor_requires_grad(nodes, cost.train)
+        self.fan = fanouts(nodes)
+        self.p = Problem(nodes=nodes, strategies=strategies)
+        self.shared = _layer_signatures(nodes) if share_layers else {}
+        self.compute = {n.id: np.array([cost.compute_s(n, s) for s in strategies[n.id]]) for n in nodes}
+        #: (a, b) -> seconds per option pair of variables a < b, before folding
+        self.pair: dict[tuple[int, int], np.ndarray] = {}
+        self.gathered_cache: dict = {}
+
+    def add(self, n: GraphNode, follow: bool) -> None:
+        """Give ``n`` its variable (a follower's leader's, a repeated layer's twin's, or a new one) and
+        add its costs and memory terms."""
         step = StepTerms(n.id, [], [], (0, np.zeros(1)))
+        leader = self._leader(n) if follow else None
         if leader is not None:
-            k0, ref0 = leader
-            pv, _, m = edge_block(n, k0, ref0)
-            total = m + compute[n.id][None, :]
-            idx = np.argmin(total, axis=1)
-            p.node_map[n.id] = (pv, idx)
-            p.node_cost[pv] += total[np.arange(len(idx)), idx]
-            for k, ref in enumerate(n.inputs):
-                if k == k0:
-                    continue
-                src_v, _, m = edge_block(n, k, ref)
-                add_pair(src_v, pv, m[:, idx])
-                g = gathered(n, k, ref, idx)
-                if g is not None:
-                    add_pair_mem(g[0], pv, g[1], step)
+            self._add_follower(n, leader, step)
         else:
-            twin = shared.get(n.id)
-            if twin is not None and twin in p.node_map and p.var_owner[p.node_map[twin][0]] == twin:
-                v = p.node_map[twin][0]
-            else:
-                v = len(p.var_sizes)
-                p.var_sizes.append(len(strats))
-                p.var_owner.append(n.id)
-                p.node_cost.append(np.zeros(len(strats)))
-            idx = np.arange(len(strats))
-            p.node_map[n.id] = (v, idx)
-            p.node_cost[v] += compute[n.id]
-            for k, ref in enumerate(n.inputs):
-                src_v, _, m = edge_block(n, k, ref)
-                add_pair(src_v, v, m)
-                g = gathered(n, k, ref, idx)
-                if g is not None:
-                    add_pair_mem(g[0], v, g[1], step)
+            self._add_root(n, step)
+        self._add_memory_terms(n, step)
+
+    def _leader(self, n: GraphNode) -> tuple[int, str] | None:
+        """(input index, ref) of the input a light op follows: the largest made by an op, first on ties."""
+        by_id = self.by_id
+        if not (is_light(n) and len(self.strategies[n.id]) > 1):
+            return None
+        cands = [(by_id[split_ref(r)[0]].outputs[split_ref(r)[1]].bytes, -k, k, r) for k, r in enumerate(n.inputs)
+                 if by_id[split_ref(r)[0]].kind == "op"]
+        return max(cands)[2:] if cands else None
+
+    def _add_follower(self, n: GraphNode, leader: tuple[int, str], step: StepTerms) -> None:
+        """``n`` reads its leader's variable: per option, its cheapest strategy (compute + that edge)."""
+        p = self.p
+        k0, ref0 = leader
+        pv, _, m = self._edge_block(n, k0, ref0)
+        total = m + self.compute[n.id][None, :]
+        idx = np.argmin(total, axis=1)
+        p.node_map[n.id] = (pv, idx)
+        p.node_cost[pv] += total[np.arange(len(idx)), idx]
+        for k, ref in enumerate(n.inputs):
+            if k == k0:
+                continue
+            src_v, _, m = self._edge_block(n, k, ref)
+            self._add_pair(src_v, pv, m[:, idx])
+            g = self._gathered(n, k, ref, idx)
+            if g is not None:
+                self._add_pair_mem(g[0], pv, g[1], step)
+
+    def _add_root(self, n: GraphNode, step: StepTerms) -> None:
+        """``n`` owns a variable (or shares its repeated-layer twin's) whose options are its strategies."""
+        p = self.p
+        strats = self.strategies[n.id]
+        twin = self.shared.get(n.id)
+        if twin is not None and twin in p.node_map and p.var_owner[p.node_map[twin][0]] == twin:
+            v = p.node_map[twin][0]
+        else:
+            v = len(p.var_sizes)
+            p.var_sizes.append(len(strats))
+            p.var_owner.append(n.id)
+            p.node_cost.append(np.zeros(len(strats)))
+        idx = np.arange(len(strats))
+        p.node_map[n.id] = (v, idx)
+        p.node_cost[v] += self.compute[n.id]
+        for k, ref in enumerate(n.inputs):
+            src_v, _, m = self._edge_block(n, k, ref)
+            self._add_pair(src_v, v, m)
+            g = self._gathered(n, k, ref, idx)
+            if g is not None:
+                self._add_pair_mem(g[0], v, g[1], step)
+
+    def _add_memory_terms(self, n: GraphNode, step: StepTerms) -> None:
+        """A placeholder's state and gradient terms, or an op's saved, transient and backward terms (with
+        their tie-break costs)."""
+        p, memory, cost = self.p, self.memory, self.cost
+        strats = self.strategies[n.id]
         v, idx = p.node_map[n.id]
         if n.kind in ("param", "buffer", "input"):
             state = np.array([memory.state_bytes(n, strats[i]) for i in idx], dtype=float)
@@ -300,24 +297,70 @@ def build_problem(graph: GraphDocument, strategies: dict[str, list[Strategy]], c
             extra = np.array([memory.backward_extra_bytes(n, strats[i]) for i in idx], dtype=float)
             if extra.any():
                 p.backward_terms.append((v, extra))
-    if progress is not None:
-        progress("costs", len(nodes), len(nodes))
-    # single-option variables and separable matrices fold into node costs (pairs with memory terms stay)
-    for key in p.pair_mem:
-        pair.setdefault(key, np.zeros((p.var_sizes[key[0]], p.var_sizes[key[1]])))
-    for (a, b), m in sorted(pair.items()):
-        if (a, b) in p.pair_mem:
-            p.pair_cost[(a, b)] = m
-        elif p.var_sizes[a] == 1:
-            p.node_cost[b] += m[0]
-        elif p.var_sizes[b] == 1:
-            p.node_cost[a] += m[:, 0]
-        else:
-            row, col = m[:, :1], m[:1, :]
-            rest = m - row - col + m[0, 0]
-            if np.abs(rest).max() <= 1e-15:
-                p.node_cost[a] += row[:, 0] - m[0, 0]
-                p.node_cost[b] += col[0]
-            else:
+
+    def _add_pair(self, a: int, b: int, m: np.ndarray) -> None:
+        if a == b:
+            self.p.node_cost[a] += np.diag(m)
+            return
+        if a > b:
+            a, b, m = b, a, m.T
+        self.pair[(a, b)] = self.pair[(a, b)] + m if (a, b) in self.pair else m.copy()
+
+    def _edge_block(self, n: GraphNode, k: int, ref: str) -> tuple[int, np.ndarray, np.ndarray]:
+        src, o = split_ref(ref)
+        pv, pidx = self.p.node_map[src]
+        src_pls = tuple(self.strategies[src][i].outputs[o] for i in pidx)
+        m = self.cost.edge_matrix(src_pls, tuple(self.strategies[n.id]), k, self.by_id[src].outputs[o].bytes,
+                                  self.rg[src], self.fan[f"{src}#{o}"])
+        return pv, pidx, m
+
+    def _gathered(self, n: GraphNode, k: int, ref: str, cols: np.ndarray) -> tuple[int, np.ndarray] | None:
+        """(param variable, bytes[param option, column]) of the saved copy of a gathered parameter."""
+        src = self.by_id[split_ref(ref)[0]]
+        if src.kind != "param":
+            return None
+        strategies = self.strategies
+        pv, pidx = self.p.node_map[src.tied_to or src.id]
+        owner = strategies[src.tied_to or src.id]
+        # strategy lists are shared by identical nodes (enumerate_strategies), so their ids key the cache
+        key = (id(strategies[n.id]), k, id(owner), src.outputs[0].bytes, n.labels and n.labels.rule,
+               pidx.tobytes(), cols.tobytes())
+        mem = self.gathered_cache.get(key)
+        if mem is None:
+            mem = np.array([[self.memory.gathered_bytes(n, src, owner[i].outputs[0], strategies[n.id][j].inputs[k])
+                             for j in cols] for i in pidx], dtype=float)
+            self.gathered_cache[key] = mem
+        return (pv, mem) if mem.any() else None
+
+    def _add_pair_mem(self, a: int, b: int, m: np.ndarray, step: StepTerms) -> None:
+        if a == b:
+            step.saved.append((a, np.diag(m).copy()))
+            return
+        if a > b:
+            a, b, m = b, a, m.T
+        mats = self.p.pair_mem.setdefault((a, b), [])
+        mats.append(m)
+        step.pair_saved.append((a, b, len(mats) - 1))
+
+    def folded(self) -> Problem:
+        """The Problem, with single-option variables and separable matrices folded into node costs
+        (pairs with memory terms stay)."""
+        p, pair = self.p, self.pair
+        for key in p.pair_mem:
+            pair.setdefault(key, np.zeros((p.var_sizes[key[0]], p.var_sizes[key[1]])))
+        for (a, b), m in sorted(pair.items()):
+            if (a, b) in p.pair_mem:
                 p.pair_cost[(a, b)] = m
-    return p
+            elif p.var_sizes[a] == 1:
+                p.node_cost[b] += m[0]
+            elif p.var_sizes[b] == 1:
+                p.node_cost[a] += m[:, 0]
+            else:
+                row, col = m[:, :1], m[:1, :]
+                rest = m - row - col + m[0, 0]
+                if np.abs(rest).max() <= 1e-15:
+                    p.node_cost[a] += row[:, 0] - m[0, 0]
+                    p.node_cost[b] += col[0]
+                else:
+                    p.pair_cost[(a, b)] = m
+        return p
