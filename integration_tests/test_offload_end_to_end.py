@@ -1,5 +1,5 @@
 """Solver -> plan with chunked state -> 2 gloo ranks (the plan field that hands data-parallel model
-state to the chunk manager; cauto-solver offload.py, cauto-runtime chunks/data_parallel.py).
+state to the chunk manager; cauto-solver offload/, cauto-runtime chunks/data_parallel.py).
 
 A 2 MiB per-device budget fits no device-only plan of these models; ``offload="auto"`` chunks every
 (replicated) parameter and records the budget; the runtime trains the plan on 2 ranks through the

@@ -98,7 +98,7 @@ def main() -> None:
             f"device. Without `offload_axes` the solver picks the plan in bold on 2 x 2 (least predicted step time). "
             f"Step time: median of steps 2-{args.steps} (CPU, 1 thread per rank).")
     body = (f"Command: `python tools/bench/bench_chunks_mesh.py --write`\n\n{head}\n\n" + "\n".join(lines) +
-            "\n\nPredicted host link bytes are an upper bound (offload.py); the non-model peak and arena are "
+            "\n\nPredicted host link bytes are an upper bound (offload/model.py); the non-model peak and arena are "
             "what the chunk manager measured in its warm-up on the simulated CPU device.")
     print(body)
     if args.write:

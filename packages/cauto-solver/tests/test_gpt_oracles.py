@@ -65,7 +65,7 @@ def test_tight_memory_shards_parameters_and_optimizer_state(make_cluster):
     assert set(_op_nodes(graph, free, "fc")) == {"b@dp"}
     assert _sharded_param_fraction(graph, free) < 0.1
     # ZeRO shards parameters and AdamW state (gradients are not live at the backward-start peak), but
-    # each gathered parameter copy is saved for backward (memory.py): at 0.8 ZeRO suffices, while below
+    # each gathered parameter copy is saved for backward (memory/model.py): at 0.8 ZeRO suffices, while below
     # about 0.75 splitting the MLP's activations (tensor parallel) becomes the cheaper way to fit
     budget = int(free["predictions"]["peak_bytes"] * 0.8)
     tight = solve(graph, cluster, memory_budget=budget)

@@ -1,4 +1,4 @@
-"""plan(offload=...): chunked data-parallel state where no device-only plan fits (offload.py)."""
+"""plan(offload=...): chunked data-parallel state where no device-only plan fits (offload/)."""
 
 import json
 import math

@@ -96,7 +96,7 @@ class JointPoint:
     needed_bytes: int | None = None
     """For an infeasible point: the least budget this sharding needs (model state + least activations)."""
     device_peak_bytes: int | None = None
-    """The node-level walk's peak (device_walk.py) when the search was given one: the judge of fit."""
+    """The node-level walk's peak (memory/walk.py) when the search was given one: the judge of fit."""
 
     @property
     def feasible(self) -> bool:
@@ -168,7 +168,7 @@ class JointResult:
 
 
 DevicePeak = Callable[[dict, list], int]
-"""(sharding plan document, checkpoint regions) -> per-device peak bytes (device_walk.py)."""
+"""(sharding plan document, checkpoint regions) -> per-device peak bytes (memory/walk.py)."""
 
 #: how often a schedule is re-planned on a smaller activation budget when the device walk says it overshoots
 FIT_ROUNDS = 4

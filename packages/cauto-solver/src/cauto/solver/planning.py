@@ -13,7 +13,7 @@ memory (``ClusterSpec.budget_bytes``):
 * "rotor" / "chen": the same joint search picks the sharding; the schedule uses that method only.
 Infeasible budgets raise InfeasibleBudgetError naming the least memory any split needs.
 
-``offload`` hands data-parallel model state to the runtime's chunk manager (offload.py):
+``offload`` hands data-parallel model state to the runtime's chunk manager (offload/):
 * "none" (default): every parameter's state stays on the device.
 * "auto": only when no device-only plan (with the ``checkpoint`` method asked for) fits: then the
   sharding ILP with chunked state, without checkpointing; still infeasible raises the error of

@@ -73,7 +73,7 @@ def evaluate(graph: GraphDocument, chosen: Mapping[str, Strategy], cost: CostMod
              memory: MemoryModel) -> tuple[float, int]:
     """(ILP objective in seconds, per-device peak bytes) of a full assignment: the oracle's measure.
 
-    The objective is the step time of the cost model (per-edge backward, see cost.py) plus the
+    The objective is the step time of the cost model (per-edge backward, see cost/model.py) plus the
     memory tie-break term."""
     by_id = graph.node_map()
     rg = tensor_requires_grad([n for n in graph.nodes if n.kind != "output"], cost.train)

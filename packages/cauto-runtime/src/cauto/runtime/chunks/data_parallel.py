@@ -1,7 +1,7 @@
 """Plans with chunked model state: the model as written, its parameters in the chunk manager.
 
 ``apply`` hands a plan here when its ``execution.mode`` is ``"chunk_manager"`` (the solver's
-``offload``, see cauto-solver's offload.py and cauto.plan.execution). What runs is pure data parallelism, the case the solver plans:
+``offload``, see cauto-solver's offload/ and cauto.plan.execution). What runs is pure data parallelism, the case the solver plans:
 
 * every trainable parameter is chunked (state "chunked", Replicate on every mesh axis) and its
   value, gradient and Adam state live in ``cauto.runtime.chunks``: ``chunk_module`` with the plan's

@@ -1,4 +1,4 @@
-"""Activation checkpointing: which activations to recompute, alone or jointly with sharding.
+"""Activation checkpointing: which activations to recompute, on which schedule (joint.py searches it together with sharding).
 
 * chain.py, linearize.py: a graph document as a chain of stages (per device, per sharding).
 * schedule.py, simulate.py: schedules as nested levels; the simulator that judges time and peak.

@@ -35,7 +35,7 @@ a training step after the optimizer state exists):
 The peak is the maximum over all check points: ``peak`` is exactly the ILP's model (forward,
 backward start, gradient bound); ``predict`` refines it where only a full assignment tells
 (redistributed activations, gradients as computed, the optimizer step). The plan's prediction is
-the larger of ``predict`` and the node-level walk of device_walk.py (backward node by node,
+the larger of ``predict`` and the node-level walk of walk.py (backward node by node,
 redistribution staging, checkpoint regions). Without a memory section in the graph
 (synthetic graphs) the backward and optimizer extras are 0.
 """

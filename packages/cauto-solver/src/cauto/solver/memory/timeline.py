@@ -4,12 +4,12 @@ The plan stores the maximum over a training step (``predictions.peak_bytes``) wi
 and activation parts. Given the graph the plan was solved for, ``device_timeline(plan, graph)``
 rebuilds the same memory model (the strategies the plan names, calibrated on the graph's unsharded
 memory section exactly as ``solve`` does) and keeps every check point of the walk that gave that
-peak (device_walk.py ``predicted_points``, with the plan's checkpoint regions), in step order:
+peak (walk.py ``predicted_points``, with the plan's checkpoint regions), in step order:
 ``forward`` per op, ``backward`` per op in reverse (a second point for an op whose input came
 through a redistribution: that redistribution's backward), ``grad_sync``, ``optimizer``.
 
 Its maximum equals ``predictions.peak_bytes``. A plan with chunked state (an ``offload`` section)
-is walked with offload.py's memory model over the plan's data-parallel axes ``offload.mesh_axes``
+is walked with offload/memory.py's model over the plan's data-parallel axes ``offload.mesh_axes``
 (every axis when absent): chunked parameters hold nothing but the chunk working set, which is
 always live.
 """

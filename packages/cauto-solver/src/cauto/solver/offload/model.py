@@ -35,7 +35,7 @@ of size n becomes ceil(dim / n), once per such axis) in graph order, padded to a
 Device memory per device (the documented model; ``ChunkedMemoryModel``, memory.py):
 
 * A chunked parameter's value, gradient and optimizer state count nothing in the usual model
-  (memory.py): not in the always-live state, not at the end of backward, not in the optimizer step.
+  (the solver's memory/model.py): not in the always-live state, not at the end of backward, not in the optimizer step.
 * Instead the *working set*, the chunk bytes the device must hold at once, is always live:
   2 parameter chunks (the backward's pinned ring; in forward a module's own parameters) + 1 fp32
   gradient chunk (the one being accumulated) + the largest chunked gradient as autograd hands it
@@ -131,7 +131,7 @@ class OffloadModel:
     """Chunk size, data-parallel axes, group and link of one solve with chunked state (module docstring).
 
     ``mesh_axes`` (D) defaults to every axis of ``cluster``'s mesh; ``cluster`` may be None where
-    only the memory model is needed (device_memory.py), and D then stays None: every axis."""
+    only the memory model is needed (memory/timeline.py), and D then stays None: every axis."""
 
     cluster: ClusterSpec | None
     budget_bytes: int

@@ -17,7 +17,7 @@ and each node reads its strategy through ``node_map[node] = (var, index of its s
   limit a plan mixing strategies across layers (``share_layers=False``) can be faster.
 
 The outputs of this module are plain arrays: ``node_cost[var]`` (seconds per option),
-``pair_cost[(a, b)]`` (seconds per option pair, a < b), and the memory terms of memory.py mapped onto
+``pair_cost[(a, b)]`` (seconds per option pair, a < b), and the memory terms of memory/model.py mapped onto
 variables in node order (``state_terms``, ``step_terms``; a gathered parameter's saved copy depends
 on the parameter's and the consumer's choice together, so it is a matrix in ``pair_mem``).
 """
@@ -63,7 +63,7 @@ class Problem:
     state_terms: list[tuple[int, np.ndarray]] = field(default_factory=list)
     #: per op node in order: bytes it adds to the saved sum and bytes alive only while it runs
     step_terms: list[StepTerms] = field(default_factory=list)
-    #: (a, b) -> the saved-bytes matrices of gathered parameters joining variables a < b (memory.py)
+    #: (a, b) -> the saved-bytes matrices of gathered parameters joining variables a < b (memory/model.py)
     pair_mem: dict[tuple[int, int], list[np.ndarray]] = field(default_factory=dict)
     #: per node: bytes its backward adds to everything saved (memory.backward_extra_bytes), per option
     backward_terms: list[tuple[int, np.ndarray]] = field(default_factory=list)
