@@ -172,7 +172,7 @@ class MemoryModel:
                 continue
             s = chosen[n.id]
             last_t = t
-            cum += self._saved_moved(n, s, moved, direct)
+            cum += self.saved_after_redistribution(n, s, moved, direct)
             for k, ref in enumerate(n.inputs):
                 src = by_id.get(split_ref(ref)[0])
                 if src is not None and src.kind == "param" and k < len(s.inputs):
@@ -189,15 +189,15 @@ class MemoryModel:
             if grads > best:
                 best, best_t, phase = grads, last_t, "grad_sync"
         elif self.train:
-            computed, stored_all, synced = self._gradients(nodes, chosen, by_id)
+            computed, stored_all, synced = self.gradient_bytes(nodes, chosen, by_id)
             if computed + synced > best:
                 best, best_t, phase = computed + synced, last_t, "grad_sync"
-            opt = stored_all + self._optimizer_extra(nodes, chosen)
+            opt = stored_all + self.optimizer_extra_bytes(nodes, chosen)
             if opt > best:
                 best, best_t, phase = opt, last_t, "optimizer"
         return state + best, state, best, best_t, phase
 
-    def _saved_moved(self, n: GraphNode, s: Strategy, moved: dict, direct: set) -> int:
+    def saved_after_redistribution(self, n: GraphNode, s: Strategy, moved: dict, direct: set) -> int:
         """saved_bytes, with outputs that only reach matmul-like consumers by redistribution saved at their placement."""
         base = self.saved_bytes(n, s)
         if n.kind != "op" or not self.train:
@@ -215,7 +215,7 @@ class MemoryModel:
             base += copies - (0 if key in direct else at_src)
         return base
 
-    def _gradients(self, nodes, chosen, by_id) -> tuple[int, int, int]:
+    def gradient_bytes(self, nodes, chosen, by_id) -> tuple[int, int, int]:
         """(Σ gradients as autograd leaves them, Σ gradients at storage placement, Σ synchronized copies)."""
         computed_pl: dict[str, tuple] = {}
         for n in nodes:
@@ -240,7 +240,9 @@ class MemoryModel:
                 synced += stored
         return computed, stored_all, synced
 
-    def _optimizer_extra(self, nodes, chosen) -> int:
+    def optimizer_extra_bytes(self, nodes, chosen) -> int:
+        """The optimizer step's temporaries per device: the unsharded run's, scaled like the largest
+        parameter (module doc)."""
         if not self.optimizer_extra or not self._largest_param:
             return 0
         largest = max((n.outputs[0].bytes // shard_count(chosen[n.id].outputs[0], self.mesh_shape)

@@ -62,7 +62,7 @@ def predicted_points(memory: MemoryModel, nodes: list, chosen: dict[str, Strateg
     saved: dict[str, int] = {}
     for n in ops:
         s = chosen[n.id]
-        b = memory._saved_moved(n, s, moved, direct)
+        b = memory.saved_after_redistribution(n, s, moved, direct)
         for k, ref in enumerate(n.inputs):
             src = by_id.get(split_ref(ref)[0])
             if src is not None and src.kind == "param" and k < len(s.inputs):
@@ -199,9 +199,9 @@ def predicted_points(memory: MemoryModel, nodes: list, chosen: dict[str, Strateg
             points.append(("backward", n.id, state + live - saved[n.id] - copy_freed_by.get(n.id, 0) + grads + in_grads
                            + staged))
         grads -= pending[t]
-    computed, stored_all, synced = memory._gradients(nodes, chosen, by_id)
+    computed, stored_all, synced = memory.gradient_bytes(nodes, chosen, by_id)
     points.append(("grad_sync", None, state + computed + synced))
-    points.append(("optimizer", None, state + stored_all + memory._optimizer_extra(nodes, chosen)))
+    points.append(("optimizer", None, state + stored_all + memory.optimizer_extra_bytes(nodes, chosen)))
     return points
 
 

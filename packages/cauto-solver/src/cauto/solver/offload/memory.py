@@ -28,10 +28,10 @@ class ChunkedMemoryModel(MemoryModel):
             return peak + ws, state + ws, rest, t, phase
         return peak, state, rest, t, phase
 
-    def _optimizer_extra(self, nodes, chosen) -> int:
+    def optimizer_extra_bytes(self, nodes, chosen) -> int:
         # the optimizer's temporaries scale with the largest parameter it updates on the device
         on_device = [n for n in nodes if not (n.id in chosen and self.offload.chunks(n, chosen[n.id]))]
-        return super()._optimizer_extra(on_device, chosen)
+        return super().optimizer_extra_bytes(on_device, chosen)
 
 
 def chunked_memory_model(base: MemoryModel, offload: OffloadModel) -> ChunkedMemoryModel:
