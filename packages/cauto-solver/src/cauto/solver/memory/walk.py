@@ -1,12 +1,12 @@
 """The plan's per-device memory over a training step, node by node: ``predictions.peak_bytes``.
 
-Two models meet here. The sharding ILP's (memory.py: state + everything saved + a calibrated extra
+Two models meet here. The sharding ILP's (model.py: state + everything saved + a calibrated extra
 per backward node, taken from the unsharded profile) is linear in the choices, so the ILP can use
 it; what only a full assignment shows is counted by this walk, which follows the runtime's
 execution (non-reentrant ``torch.utils.checkpoint``, early stop off, autograd freeing what a node
 saved once its backward ran):
 
-* Forward: a node outside every region keeps its saved bytes (memory.py's terms: outputs kept for
+* Forward: a node outside every region keeps its saved bytes (model.py's terms: outputs kept for
   backward, the copy a matmul-like consumer saves of an activation it took through a
   redistribution, parameters gathered for use); a region keeps only its inputs (its checkpoint
   holds them until its backward); inside a region a node's saved bytes live only while it runs.
@@ -20,10 +20,10 @@ saved once its backward ran):
 * After ``n``'s backward, for an input it took through a redistribution: the redistribution's
   backward, with ``n``'s saved tensors (and the redistributed copy, when ``n`` was its first saving
   consumer) freed. It holds the arriving gradient and, as the local program runs it, either the
-  collective's staging copy (``reshard.staging_copies``: the stacked chunks of a reduce-scatter onto
+  collective's staging copy (cost/reshard.py ``staging_copies``: the stacked chunks of a reduce-scatter onto
   an inner dimension, made while the gradient is live; the gradient is freed before the collective
   allocates its smaller result) or, for any other collective, the result.
-* Then the gradient synchronization and optimizer step, exactly as memory.py predicts them.
+* Then the gradient synchronization and optimizer step, exactly as model.py predicts them.
 
 For a plan without regions each op's backward point is also at least the calibrated model's for it
 (everything saved + the op's calibrated backward extra), so the prediction is the larger of the two models; the ILP's own memory rows
@@ -33,6 +33,8 @@ plan are measured by the same walk.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from cauto.plan import split_ref
 from cauto.solver.cost.reshard import backward_target, retained_bytes, staging_copies
@@ -44,49 +46,98 @@ def predicted_points(memory: MemoryModel, nodes: list, chosen: dict[str, Strateg
                      regions: list[dict] | tuple = ()) -> list[tuple[str, str | None, int]]:
     """The plan's memory per device over a training step with ``regions`` recomputed, check point by
     check point (module doc): (phase, node id or None, live bytes per device)."""
-    by_id = {n.id: n for n in nodes}
-    mesh = memory.mesh_shape
-
-    def owner_pl(src, o: int = 0):
-        if src.kind == "param" and src.tied_to:
-            return chosen[src.tied_to].outputs[0]
-        return chosen[src.id].outputs[o]
-
-    def dev_bytes(src, o: int, placements) -> int:
-        return src.outputs[o].bytes // shard_count(placements, mesh)
-
     ops = [n for n in nodes if n.kind == "op" and n.id in chosen]
-    order = {n.id: i for i, n in enumerate(ops)}
+    walk = _Walk(memory, chosen, {n.id: n for n in nodes}, ops, {n.id: i for i, n in enumerate(ops)})
     state = memory.predict(nodes, chosen)[1]
     moved, direct = redistributed_saves(nodes, chosen)
+    saved = _saved_bytes(walk, moved, direct)
+    nesting = _nesting(walk, regions, saved)
+    points = _forward_points(walk, nesting, saved, state)
+    if not memory.train or not ops:
+        return points
+    points += _backward_points(walk, nesting, saved, state, _copies_freed_by(walk, moved))
+    computed, stored_all, synced = memory.gradient_bytes(nodes, chosen, walk.by_id)
+    points.append(("grad_sync", None, state + computed + synced))
+    points.append(("optimizer", None, state + stored_all + memory.optimizer_extra_bytes(nodes, chosen)))
+    return points
+
+
+@dataclass(frozen=True)
+class _Walk:
+    """What every step of the walk reads: the model, the plan's strategies, the nodes by id, the op
+    nodes in step order and their positions."""
+
+    memory: MemoryModel
+    chosen: dict[str, Strategy]
+    by_id: dict
+    ops: list
+    order: dict[str, int]
+
+    def owner_pl(self, src, o: int = 0):
+        """The placement of output ``o`` of ``src`` (a tied parameter's: its owner's)."""
+        if src.kind == "param" and src.tied_to:
+            return self.chosen[src.tied_to].outputs[0]
+        return self.chosen[src.id].outputs[o]
+
+    def dev_bytes(self, src, o: int, placements) -> int:
+        """Bytes per device of output ``o`` of ``src`` placed ``placements``."""
+        return src.outputs[o].bytes // shard_count(placements, self.memory.mesh_shape)
+
+
+@dataclass(frozen=True)
+class _Nesting:
+    """The checkpoint regions over the walk's ops: each region's member ops, the innermost region of
+    each member, the smallest region strictly containing each region (None: a top-level region),
+    the top-level regions, each region's first and last op position, and the bytes of its inputs its
+    checkpoint holds."""
+
+    members: list[set[str]]
+    innermost: dict[str, int]
+    parent: dict[int, int | None]
+    top: list[int]
+    span: list[tuple[int, int]]
+    held: dict[int, int]
+
+
+def _saved_bytes(walk: _Walk, moved: dict, direct: set) -> dict[str, int]:
+    """op id -> what it keeps for backward (model.py's terms, the parameters it gathered included)."""
+    memory, chosen, by_id = walk.memory, walk.chosen, walk.by_id
     saved: dict[str, int] = {}
-    for n in ops:
+    for n in walk.ops:
         s = chosen[n.id]
         b = memory.saved_after_redistribution(n, s, moved, direct)
         for k, ref in enumerate(n.inputs):
             src = by_id.get(split_ref(ref)[0])
             if src is not None and src.kind == "param" and k < len(s.inputs):
-                b += memory.gathered_bytes(n, src, owner_pl(src), s.inputs[k])
+                b += memory.gathered_bytes(n, src, walk.owner_pl(src), s.inputs[k])
         saved[n.id] = b
+    return saved
 
-    # a redistributed copy that consumers save (memory.py counts it at its producer) is freed by the
-    # backward of the first of them in forward order
+
+def _copies_freed_by(walk: _Walk, moved: dict) -> dict[str, int]:
+    """op id -> bytes of the redistributed copies its backward frees: a copy that consumers save
+    (model.py counts it at its producer) is freed by the backward of the first of them in forward order."""
+    memory = walk.memory
     copy_freed_by: dict[str, int] = {}
     for key, firsts in moved.items():
         src_id, o = split_ref(key)
-        src = by_id[src_id]
+        src = walk.by_id[src_id]
         for pl, consumer in firsts.items():
-            b = retained_bytes(owner_pl(src, o), pl, int(src.outputs[o].bytes * memory.activation_scale), mesh,
-                               memory.all_to_all)
+            b = retained_bytes(walk.owner_pl(src, o), pl, int(src.outputs[o].bytes * memory.activation_scale),
+                               memory.mesh_shape, memory.all_to_all)
             copy_freed_by[consumer] = copy_freed_by.get(consumer, 0) + b
+    return copy_freed_by
 
+
+def _nesting(walk: _Walk, regions: list[dict] | tuple, saved: dict[str, int]) -> _Nesting:
+    """The regions' nesting over the walk's ops (``_Nesting``)."""
+    by_id, order = walk.by_id, walk.order
     members = [m for m in (set(r["nodes"]) & set(order) for r in regions) if m]
     innermost: dict[str, int] = {}
     for i, m in enumerate(members):
         for node_id in m:
             if node_id not in innermost or len(m) < len(members[innermost[node_id]]):
                 innermost[node_id] = i
-    # parent: the smallest region strictly containing a region (None: a top-level region)
     parent: dict[int, int | None] = {}
     for i, m in enumerate(members):
         outer = [j for j in range(len(members)) if j != i and m < members[j]]
@@ -108,48 +159,69 @@ def predicted_points(memory: MemoryModel, nodes: list, chosen: dict[str, Strateg
                 if src.kind == "op" and innermost.get(src_id) == parent[i] \
                         and saved.get(src_id, 0) >= src.outputs[o].bytes:
                     continue  # its producer keeps it anyway
-                if src.kind == "op" and src_id in chosen:
-                    total += dev_bytes(src, o, owner_pl(src, o))
+                if src.kind == "op" and src_id in walk.chosen:
+                    total += walk.dev_bytes(src, o, walk.owner_pl(src, o))
         held[i] = total
+    return _Nesting(members, innermost, parent, top, span, held)
 
+
+def _forward_points(walk: _Walk, nesting: _Nesting, saved: dict[str, int],
+                    state: int) -> list[tuple[str, str | None, int]]:
+    """One point per op in forward order (module doc: Forward)."""
     points: list[tuple[str, str | None, int]] = []
     outside = 0
-    for t, n in enumerate(ops):
-        s = chosen[n.id]
-        inputs_held = sum(held[i] for i in top if span[i][0] <= t)
-        if n.id in innermost:
+    for t, n in enumerate(walk.ops):
+        s = walk.chosen[n.id]
+        inputs_held = sum(nesting.held[i] for i in nesting.top if nesting.span[i][0] <= t)
+        if n.id in nesting.innermost:
             live = outside + inputs_held + saved[n.id]
         else:
             outside += saved[n.id]
             live = outside + inputs_held
-        points.append(("forward", n.id, state + live + memory.transient_bytes(n, s)))
-    if not memory.train or not ops:
-        return points
+        points.append(("forward", n.id, state + live + walk.memory.transient_bytes(n, s)))
+    return points
 
-    # gradients of parameters: created by the backward of their last consumer in forward order
+
+def _param_grads_from(walk: _Walk) -> dict[int, int]:
+    """op position -> bytes of the parameter gradients its backward creates: each parameter's gradient
+    is created by the backward of its last consumer in forward order, at the placement backward
+    computes it (its first consumer's)."""
+    chosen, by_id = walk.chosen, walk.by_id
     grad_at: dict[str, int] = {}
     grad_pl: dict[str, tuple] = {}
-    for n in ops:
+    for n in walk.ops:
         s = chosen[n.id]
         for k, ref in enumerate(n.inputs):
             src = by_id.get(split_ref(ref)[0])
             if src is not None and src.kind == "param" and k < len(s.input_grads):
                 owner = src.tied_to or src.id
                 grad_pl.setdefault(owner, s.input_grads[k])
-                grad_at[owner] = order[n.id]
+                grad_at[owner] = walk.order[n.id]
     grads_from: dict[int, int] = {}
     for owner, t in grad_at.items():
         param = by_id[owner]
-        if memory.grad_bytes(param, chosen[owner]):
-            grads_from[t] = grads_from.get(t, 0) + dev_bytes(param, 0, grad_pl[owner])
+        if walk.memory.grad_bytes(param, chosen[owner]):
+            grads_from[t] = grads_from.get(t, 0) + walk.dev_bytes(param, 0, grad_pl[owner])
+    return grads_from
 
-    # saved bytes of nodes up to t, outside every region and per innermost region (prefix sums)
-    saved_upto: dict[int | None, list[int]] = {None: [0] * len(ops), **{i: [0] * len(ops) for i in range(len(members))}}
+
+def _saved_prefix_sums(walk: _Walk, nesting: _Nesting, saved: dict[str, int]) -> dict[int | None, list[int]]:
+    """Saved bytes of the ops up to each position, outside every region (key None) and per innermost
+    region."""
+    ops = walk.ops
+    saved_upto: dict[int | None, list[int]] = {None: [0] * len(ops),
+                                               **{i: [0] * len(ops) for i in range(len(nesting.members))}}
     for t, n in enumerate(ops):
         for key, sums in saved_upto.items():
-            sums[t] = (sums[t - 1] if t else 0) + (saved[n.id] if innermost.get(n.id) == key else 0)
-    # gradients of activations waiting for their producer's backward: created by the backward of the
-    # last consumer (in forward order), freed by the producer's; pending[t]: those live across step t
+            sums[t] = (sums[t - 1] if t else 0) + (saved[n.id] if nesting.innermost.get(n.id) == key else 0)
+    return saved_upto
+
+
+def _waiting_grads(walk: _Walk) -> list[int]:
+    """Per op position: bytes of activation gradients live across that step, waiting for their
+    producer's backward (created by the backward of the last consumer in forward order, freed by
+    the producer's)."""
+    ops, order, by_id = walk.ops, walk.order, walk.by_id
     last_use: dict[tuple[str, int], int] = {}
     for n in ops:
         for ref in n.inputs:
@@ -162,11 +234,24 @@ def predicted_points(memory: MemoryModel, nodes: list, chosen: dict[str, Strateg
     for (src_id, o), last in last_use.items():
         first = order[src_id] + 1
         if first < last:
-            b = dev_bytes(by_id[src_id], o, owner_pl(by_id[src_id], o))
+            b = walk.dev_bytes(by_id[src_id], o, walk.owner_pl(by_id[src_id], o))
             pending[first] += b
             pending[last] -= b
     for t in range(1, len(ops)):
         pending[t] += pending[t - 1]
+    return pending
+
+
+def _backward_points(walk: _Walk, nesting: _Nesting, saved: dict[str, int], state: int,
+                     copy_freed_by: dict[str, int]) -> list[tuple[str, str | None, int]]:
+    """One point per op in reverse order, and a second after its backward where an input came
+    through a redistribution (module doc: Backward, and the redistribution's backward)."""
+    memory, chosen, by_id, ops = walk.memory, walk.chosen, walk.by_id, walk.ops
+    members, parent, span, held = nesting.members, nesting.parent, nesting.span, nesting.held
+    grads_from = _param_grads_from(walk)
+    saved_upto = _saved_prefix_sums(walk, nesting, saved)
+    pending = _waiting_grads(walk)
+    points: list[tuple[str, str | None, int]] = []
     grads = 0
     for t in range(len(ops) - 1, -1, -1):
         n = ops[t]
@@ -176,7 +261,7 @@ def predicted_points(memory: MemoryModel, nodes: list, chosen: dict[str, Strateg
         live += sum(held[i] for i in range(len(members))
                     if span[i][0] <= t and (parent[i] is None or n.id in members[parent[i]]))
         grads += grads_from.get(t, 0)
-        out_grads = sum(dev_bytes(n, o, s.outputs[o]) for o in range(min(len(n.outputs), len(s.outputs)))
+        out_grads = sum(walk.dev_bytes(n, o, s.outputs[o]) for o in range(min(len(n.outputs), len(s.outputs)))
                         if n.outputs[o].dtype.startswith(("float", "bfloat")))
         in_grads, staged = 0, 0
         for k, ref in enumerate(n.inputs):
@@ -184,24 +269,21 @@ def predicted_points(memory: MemoryModel, nodes: list, chosen: dict[str, Strateg
             src = by_id.get(src_id)
             if src is not None and src.kind == "op" and k < len(s.input_grads) \
                     and src.outputs[o].dtype.startswith(("float", "bfloat")):
-                grad = dev_bytes(src, o, s.input_grads[k])
+                grad = walk.dev_bytes(src, o, s.input_grads[k])
                 in_grads += grad
-                if k < len(s.inputs) and owner_pl(src, o) != s.inputs[k]:
-                    target = backward_target(s.input_grads[k], owner_pl(src, o))
-                    staged = max(staged, grad * staging_copies(s.input_grads[k], target, mesh),
-                                 dev_bytes(src, o, target))
+                if k < len(s.inputs) and walk.owner_pl(src, o) != s.inputs[k]:
+                    target = backward_target(s.input_grads[k], walk.owner_pl(src, o))
+                    staged = max(staged, grad * staging_copies(s.input_grads[k], target, memory.mesh_shape),
+                                 walk.dev_bytes(src, o, target))
         grads += pending[t]
         here = state + live + grads + out_grads + in_grads + memory.transient_bytes(n, s)
-        if not members:  # at least what the calibrated model says (memory.py: all saved + n's backward extra)
+        if not members:  # at least what the calibrated model says (model.py: all saved + n's backward extra)
             here = max(here, state + saved_upto[None][-1] + memory.backward_extra_bytes(n, s))
         points.append(("backward", n.id, here))
         if staged:  # after n's backward freed its saved tensors and its outputs' gradients
             points.append(("backward", n.id, state + live - saved[n.id] - copy_freed_by.get(n.id, 0) + grads + in_grads
                            + staged))
         grads -= pending[t]
-    computed, stored_all, synced = memory.gradient_bytes(nodes, chosen, by_id)
-    points.append(("grad_sync", None, state + computed + synced))
-    points.append(("optimizer", None, state + stored_all + memory.optimizer_extra_bytes(nodes, chosen)))
     return points
 
 
