@@ -8,7 +8,7 @@ import torch
 
 from cauto.profiler import profile, zoo
 from cauto.profiler.ground_truth import measure
-from cauto.profiler.symbolic import _sdpa_choice_cpu
+from cauto.profiler.special_ops import sdpa_choice_cpu
 
 pytest.importorskip("transformers")
 
@@ -18,8 +18,8 @@ def test_sdpa_choice_follows_the_masks_requires_grad():
     mask that requires grad, flash (1) otherwise; the profiler asks with the same flags."""
     q = torch.empty(2, 4, 16, 8, device="meta")
     mask = torch.empty(1, 4, 16, 16, device="meta")
-    assert _sdpa_choice_cpu(q, q, q, mask) == 1
-    assert _sdpa_choice_cpu(q, q, q, mask.requires_grad_(True)) == 0
+    assert sdpa_choice_cpu(q, q, q, mask) == 1
+    assert sdpa_choice_cpu(q, q, q, mask.requires_grad_(True)) == 0
 
 
 @pytest.mark.parametrize("name", ["hf_t5", "hf_swin"])

@@ -3,7 +3,8 @@
 from cauto.profiler.capture import Capture, CaptureError, capture, loss_of
 from cauto.profiler.devices import DeviceModel, calibrate_cpu, get_device_model
 from cauto.profiler.hints import size_hint
-from cauto.profiler.symbolic import Profile, profile
+from cauto.profiler.results import Profile
+from cauto.profiler.symbolic import profile
 
 __all__ = ["Capture", "CaptureError", "DeviceModel", "Profile", "calibrate_cpu", "capture", "get_device_model",
            "loss_of", "profile", "size_hint"]

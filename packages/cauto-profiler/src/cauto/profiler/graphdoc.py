@@ -37,8 +37,8 @@ def downsample_timeline(timeline: list, limit: int, keep: set[int] = frozenset()
 
 
 def build_graph_document(prof, *, max_timeline: int = 2000, validate: bool = True) -> dict:
-    """The graph document of ``prof``, a ``cauto.profiler.symbolic.Profile`` (read by its fields, not
-    imported: symbolic.py calls this module); validated against the schema unless ``validate`` is False."""
+    """The graph document of ``prof``, a ``cauto.profiler.results.Profile`` (read by its fields, not
+    imported: results.py calls this module); validated against the schema unless ``validate`` is False."""
     cap = prof.capture
     nodes = structure_nodes(cap)
     fx_nodes = {n.name: n for n in cap.value_nodes()}

@@ -400,114 +400,151 @@ def _lookup(root: nn.Module, fqn: str) -> object:
 
 def stamp(ep: ExportedProgram, lay: _Layout, per: _PerBlock, total: int, root: nn.Module) -> Stamped:
     """Extend ``ep`` (``lay.blocks_n`` blocks) to ``total`` blocks by stamping its last block."""
-    prefix, have = lay.prefix, lay.blocks_n
-    last = have - 1
-    extra = total - have
-    graph = torch.fx.Graph()
-    new: dict[torch.fx.Node, torch.fx.Node] = {}
+    stamper = _Stamper(lay, per, total)
+    specs = stamper.placeholders()
+    stamper.copy_all(lay.head, _same_name, stamper.new.__getitem__, _same_meta)
+    blocks = [stamper.copy_all(nodes, _same_name, stamper.new.__getitem__, _same_meta) for nodes in lay.blocks]
+    for k in range(lay.blocks_n, total):
+        blocks.append(stamper.stamped_block(k, blocks[k - 1]))
+    stamper.tail(blocks[-1])
+    renamed = {old.name: made.name for old, made in stamper.new.items()}
+    signature = ExportGraphSignature([s for _, s in specs], _output_specs(ep, renamed, lay.prefix))
+    calls = _module_calls(ep, lay, total)
+    return Stamped(stamper.graph, signature, _entries(ep.state_dict, lay, total, root),
+                   _entries(ep.constants, lay, total, root), calls)
 
-    def create(node: torch.fx.Node, name: str, args, kwargs, meta: dict) -> torch.fx.Node:
+
+def _same_name(node: torch.fx.Node) -> str:
+    return node.name
+
+
+def _same_meta(node: torch.fx.Node) -> dict:
+    return node.meta
+
+
+class _Stamper:
+    """The stamped graph as it is built, in the order a whole-model export creates its nodes:
+    placeholders, the code before the blocks, the exported blocks, the stamped ones, the rest."""
+
+    def __init__(self, lay: _Layout, per: _PerBlock, total: int):
+        self.lay, self.per, self.total = lay, per, total
+        self.last = lay.blocks_n - 1
+        self.graph = torch.fx.Graph()
+        #: node of the exported program -> its copy (placeholders, head, exported blocks, tail)
+        self.new: dict[torch.fx.Node, torch.fx.Node] = {}
+        #: (block, parameter target relative to the block) -> placeholder of the last and stamped blocks
+        self.layer_inputs: dict[tuple[int, str], torch.fx.Node] = {}
+
+    def create(self, node: torch.fx.Node, name: str, args, kwargs, meta: dict) -> torch.fx.Node:
         target = name if node.op == "placeholder" else node.target
-        made = graph.create_node(node.op, target, args, kwargs, name=name, type_expr=node.type)
+        made = self.graph.create_node(node.op, target, args, kwargs, name=name, type_expr=node.type)
         if made.name != name:
             raise NoStamp(f"node name {name} is taken")
         made.meta = meta
         return made
 
-    # placeholders: each run of last-block inputs is followed by the same run for the stamped blocks
-    def spec_in_last(item) -> bool:
-        node, _ = item
-        return lay.param_layer.get(node, (None,))[0] == last
+    def placeholders(self) -> list:
+        """Each run of last-block inputs followed by the same run for the stamped blocks; returns the
+        (template node or (template node, block), input spec) pairs in order."""
+        lay, last = self.lay, self.last
 
-    def spec_copy(item, k: int):
-        node, spec = item
-        target = _rename(spec.target, prefix, last, k)
-        name = placeholder_name(spec.kind, target)
-        return ((node, k), InputSpec(spec.kind, TensorArgument(name), target, spec.persistent))
+        def spec_in_last(item) -> bool:
+            node, _ = item
+            return lay.param_layer.get(node, (None,))[0] == last
 
-    layer_inputs: dict[tuple[int, str], torch.fx.Node] = {}
-    specs = _runs(lay.specs, spec_in_last, spec_copy, have, total)
-    for key, spec in specs:
-        if isinstance(key, tuple):  # a stamped input: (template node, block)
-            node, k = key
-            made = create(node, spec.arg.name, (), {}, dict(node.meta))
-            layer_inputs[(k, lay.param_layer[node][1])] = made
-        else:
-            node = key
-            made = create(node, node.name, (), {}, node.meta)
-            if node in lay.param_layer and lay.param_layer[node][0] == last:
-                layer_inputs[(last, lay.param_layer[node][1])] = made
-            new[node] = made
+        def spec_copy(item, k: int):
+            node, spec = item
+            target = _rename(spec.target, lay.prefix, last, k)
+            name = placeholder_name(spec.kind, target)
+            return ((node, k), InputSpec(spec.kind, TensorArgument(name), target, spec.persistent))
 
-    def copy_all(nodes: list[torch.fx.Node], rename: Callable[[torch.fx.Node], str], lookup, meta) -> list:
+        specs = _runs(lay.specs, spec_in_last, spec_copy, lay.blocks_n, self.total)
+        for key, spec in specs:
+            if isinstance(key, tuple):  # a stamped input: (template node, block)
+                node, k = key
+                made = self.create(node, spec.arg.name, (), {}, dict(node.meta))
+                self.layer_inputs[(k, lay.param_layer[node][1])] = made
+            else:
+                node = key
+                made = self.create(node, node.name, (), {}, node.meta)
+                if node in lay.param_layer and lay.param_layer[node][0] == last:
+                    self.layer_inputs[(last, lay.param_layer[node][1])] = made
+                self.new[node] = made
+        return specs
+
+    def copy_all(self, nodes: list[torch.fx.Node], rename: Callable[[torch.fx.Node], str], lookup, meta) -> list:
         made = []
         for node in nodes:
             args = torch.fx.node.map_arg(node.args, lookup)
             kwargs = torch.fx.node.map_arg(node.kwargs, lookup)
-            made.append(create(node, rename(node), args, kwargs, meta(node)))
-            new[node] = made[-1]
+            made.append(self.create(node, rename(node), args, kwargs, meta(node)))
+            self.new[node] = made[-1]
         return made
 
-    same = lambda node: node.name  # noqa: E731
-    plain = lambda node: node.meta  # noqa: E731
-    copy_all(lay.head, same, new.__getitem__, plain)
-    blocks = [copy_all(nodes, same, new.__getitem__, plain) for nodes in lay.blocks]
-
-    template = lay.blocks[last]
-    for k in range(have, total):
+    def stamped_block(self, k: int, previous: list[torch.fx.Node]) -> list[torch.fx.Node]:
+        """Block ``k`` stamped from the last exported block, reading ``previous`` (block k-1's copies)."""
+        lay, last, prefix = self.lay, self.last, self.lay.prefix
         step = k - last
         made: list[torch.fx.Node] = []
 
-        def lookup(arg: torch.fx.Node, k=k, made=made) -> torch.fx.Node:
+        def lookup(arg: torch.fx.Node) -> torch.fx.Node:
             block, pos = lay.where.get(arg, (None, None))
             if block == last:
                 return made[pos]
             if block == last - 1:
-                return blocks[k - 1][pos]
+                return previous[pos]
             if block is not None:
                 raise NoStamp(f"block {last} reads {arg.name} of block {block}")
             layer = lay.param_layer.get(arg)
             if layer is not None:
                 if layer[0] != last:
                     raise NoStamp(f"block {last} reads {arg.name} of block {layer[0]}")
-                return layer_inputs[(k, layer[1])]
-            return new[arg]
+                return self.layer_inputs[(k, layer[1])]
+            return self.new[arg]
 
-        def meta(node: torch.fx.Node, k=k, step=step) -> dict:
+        def meta(node: torch.fx.Node) -> dict:
             out = dict(node.meta)
             if "nn_module_stack" in node.meta:
                 out["nn_module_stack"] = _stack(node.meta["nn_module_stack"], prefix, last, k)
             region = _checkpoint(node)
             if region is not None:
-                out["custom"] = {**node.meta["custom"], CHECKPOINT_KEY: region + step * per.checkpoints}
+                out["custom"] = {**node.meta["custom"], CHECKPOINT_KEY: region + step * self.per.checkpoints}
             return out
 
-        for node in template:
+        for node in lay.blocks[last]:
             args = torch.fx.node.map_arg(node.args, lookup)
             kwargs = torch.fx.node.map_arg(node.kwargs, lookup)
-            made.append(create(node, _shifted(node.name, step * per.names.get(_split(node.name)[0], 0)),
-                               args, kwargs, meta(node)))
-        blocks.append(made)
+            made.append(self.create(node, _shifted(node.name, step * self.per.names.get(_split(node.name)[0], 0)),
+                                    args, kwargs, meta(node)))
+        return made
 
-    def tail_lookup(arg: torch.fx.Node) -> torch.fx.Node:
-        block, pos = lay.where.get(arg, (None, None))
-        if block == last:
-            return blocks[-1][pos]
-        return new[arg]
+    def tail(self, final: list[torch.fx.Node]) -> None:
+        """The code after the blocks, its names and checkpoint regions shifted, reading ``final`` (the
+        last block's copies), and the output node."""
+        lay, last, per = self.lay, self.last, self.per
+        extra = self.total - lay.blocks_n
 
-    def tail_meta(node: torch.fx.Node) -> dict:
-        region = _checkpoint(node)
-        if region is None:
-            return node.meta
-        return {**node.meta, "custom": {**node.meta["custom"], CHECKPOINT_KEY: region + extra * per.checkpoints}}
+        def tail_lookup(arg: torch.fx.Node) -> torch.fx.Node:
+            block, pos = lay.where.get(arg, (None, None))
+            if block == last:
+                return final[pos]
+            return self.new[arg]
 
-    copy_all(lay.tail, lambda n: _shifted(n.name, extra * per.names.get(_split(n.name)[0], 0)), tail_lookup,
-             tail_meta)
-    out = lay.output
-    create(out, out.name, torch.fx.node.map_arg(out.args, tail_lookup), torch.fx.node.map_arg(out.kwargs, tail_lookup),
-           out.meta)
+        def tail_meta(node: torch.fx.Node) -> dict:
+            region = _checkpoint(node)
+            if region is None:
+                return node.meta
+            return {**node.meta, "custom": {**node.meta["custom"], CHECKPOINT_KEY: region + extra * per.checkpoints}}
 
-    renamed = {old.name: made.name for old, made in new.items()}
+        self.copy_all(lay.tail, lambda n: _shifted(n.name, extra * per.names.get(_split(n.name)[0], 0)), tail_lookup,
+                      tail_meta)
+        out = lay.output
+        self.create(out, out.name, torch.fx.node.map_arg(out.args, tail_lookup),
+                    torch.fx.node.map_arg(out.kwargs, tail_lookup), out.meta)
+
+
+def _output_specs(ep: ExportedProgram, renamed: dict[str, str], prefix: str) -> list[OutputSpec]:
+    """The program's output specs with the stamped graph's node names (refused: mutated block state)."""
     outputs = []
     for spec in ep.graph_signature.output_specs:
         if spec.kind != OutputKind.USER_OUTPUT and _block_index(spec.target or "", prefix) is not None:
@@ -516,23 +553,33 @@ def stamp(ep: ExportedProgram, lay: _Layout, per: _PerBlock, total: int, root: n
         if isinstance(arg, TensorArgument):
             arg = TensorArgument(renamed.get(arg.name, arg.name))
         outputs.append(OutputSpec(spec.kind, arg, spec.target))
-    signature = ExportGraphSignature([s for _, s in specs], outputs)
+    return outputs
+
+
+def _entries(mapping: dict, lay: _Layout, total: int, root: nn.Module) -> dict:
+    """A state dict or constants table with the stamped blocks' entries after the last block's, their
+    values read from the whole model ``root``."""
+    last = lay.blocks_n - 1
+    keys = _runs(list(mapping), lambda key: _block_index(key, lay.prefix) == last,
+                 lambda key, k: _rename(key, lay.prefix, last, k), lay.blocks_n, total)
+    return {key: mapping[key] if key in mapping else _lookup(root, key) for key in keys}
+
+
+def _module_calls(ep: ExportedProgram, lay: _Layout, total: int) -> list[ModuleCallEntry]:
+    """The module call graph with entries for the stamped blocks' modules (refused: a block module
+    that keeps its call signature)."""
+    last = lay.blocks_n - 1
 
     def key_in_last(key: str) -> bool:
-        return _block_index(key, prefix) == last
-
-    def entries(mapping: dict) -> dict:
-        keys = _runs(list(mapping), key_in_last, lambda key, k: _rename(key, prefix, last, k), have, total)
-        return {key: mapping[key] if key in mapping else _lookup(root, key) for key in keys}
+        return _block_index(key, lay.prefix) == last
 
     calls = []
     for entry in ep.module_call_graph:
         if key_in_last(entry.fqn) and entry.signature is not None:
             raise NoStamp(f"module {entry.fqn} keeps its call signature")
         calls.append(entry)
-    calls = _runs(calls, lambda e: key_in_last(e.fqn),
-                  lambda e, k: ModuleCallEntry(_rename(e.fqn, prefix, last, k), None), have, total)
-    return Stamped(graph, signature, entries(ep.state_dict), entries(ep.constants), calls)
+    return _runs(calls, lambda e: key_in_last(e.fqn),
+                 lambda e, k: ModuleCallEntry(_rename(e.fqn, lay.prefix, last, k), None), lay.blocks_n, total)
 
 
 # ------------------------------------------------------------------------------------------ driver

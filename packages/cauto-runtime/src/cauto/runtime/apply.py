@@ -36,7 +36,7 @@ from cauto.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradSync
 from cauto.runtime.inputs import flat_inputs
 from cauto.runtime.lowering import LocalProgram, LoweringError
 from cauto.runtime.materialize import build_skeleton, materialize
-from cauto.runtime.propagate import propagate
+from cauto.runtime.propagate import Propagation, propagate
 
 #: ParallelModule's attributes held in its __dict__: a user's submodule, parameter or buffer of one of
 #: these names cannot be kept at the top level (the runtime reads them); refused by name (_refuse_held_names)
@@ -370,36 +370,13 @@ def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, 
     if seed is None and state_dict is None:
         seed = _shared_seed()
     has_chunks = any(e.get("state", "device") != "device" for e in plan.params.values())
-    if compile and (has_chunks or lowering != "local"):
-        raise PlanMismatchError(
-            "compile=True needs the local program, and " + ("this plan keeps parameter state in chunks, which "
-            "the chunk manager fetches and releases in Python between ops (no graph can hold that)" if has_chunks
-            else "lowering='dtensor' was asked for") + "; run without compile, or plan without --offload")
-    compute = compute_dtype(plan)
-    if compute is not None and has_chunks:
-        raise PlanMismatchError("this plan asks for mixed precision (execution.mixed_precision) and keeps parameter "
-                                "state in chunks; the chunk manager does not run plans under autocast yet: plan "
-                                "without --offload, or without --mixed-precision")
+    compute = _compute_dtype_that_runs(plan, has_chunks, compile, lowering)
     if plan.execution["mode"] == "chunk_manager":
         return apply_chunked(fn, cap, plan, mesh, seed=seed, state_dict=state_dict, optimizer=optimizer)
-    model, _, fills = build_skeleton(fn)
-    model.train()
-    config = getattr(model, "config", None)
-    if config is not None and getattr(config, "use_cache", False):
-        config.use_cache = False
-    placements = {cap.placeholders[pid][1]: ",".join(entry["placements"]) for pid, entry in plan.params.items()}
-    for pid, (kind, fqn) in cap.placeholders.items():
-        canonical = cap.tied.get(pid)
-        if kind == "param" and canonical in plan.params:
-            # one tensor, several names: it is stored as the program reads it, the name the graph uses
-            placements[fqn] = ",".join(plan.params[canonical]["placements"])
-    materialize(model, fills, mesh, placements, seed=seed, state_dict=state_dict)
+    model = _materialized(fn, cap, plan, mesh, seed, state_dict)
     propagation = None
     if check_placements:
-        ph = {n.name: ",".join(plan.nodes[n.name]["outputs"][0]) for n in cap.graph.nodes if n.op == "placeholder"}
-        inputs = {k: [",".join(p) for p in v["inputs"]] for k, v in plan.nodes.items()}
-        outputs = {k: [",".join(p) for p in v["outputs"]] for k, v in plan.nodes.items()}
-        propagation = propagate(cap, mesh, ph, node_inputs=inputs, node_outputs=outputs)
+        propagation = _propagation(cap, plan, mesh)
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
     if has_chunks:
         chunked, chunked_opt, shards = shard_into_chunks(model, plan, mesh, device, optimizer)
@@ -408,17 +385,7 @@ def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, 
         module.optimizer = chunked_opt
         return module
     executable = execute.build(cap, plan, mesh, device, propagation)
-    nested = [i for i, r in enumerate((plan.checkpoint or {}).get("regions", [])) if r.get("children")]
-    if nested and lowering == "local":
-        if compile:
-            raise PlanMismatchError(
-                f"compile=True needs the local program, and checkpoint region {nested[0]} of this plan has nested "
-                "regions, which the local program recomputes once where the plan counts each level; run without "
-                "compile, or plan with --checkpoint none|chen")
-        # The local program's partition recomputes a region op once; the plan's predictions count a nested
-        # region's ops once per level (torch.utils.checkpoint within checkpoint): the interpreter runs
-        # what the plan predicts.
-        lowering = "dtensor"
+    lowering = _lowering_for_regions(plan, lowering, compile)
     plain = lowering == "local" and _replicated_as_plain(model, mesh)
     lowered = LocalProgram(executable.module, mesh, compile=compile, plan_nodes=plan.nodes,
                            autocast_dtype=compute) if lowering == "local" else None
@@ -441,6 +408,66 @@ def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, 
             module.autocast_dtype = compute
     module.optimizer = optimizer(module) if optimizer is not None else None
     return module
+
+
+def _compute_dtype_that_runs(plan: PlanDocument, has_chunks: bool, compile: bool, lowering: str) -> torch.dtype | None:
+    """The plan's compute dtype (compute_dtype), after refusing what cannot run: compile=True without the
+    local program, mixed precision with chunked state."""
+    if compile and (has_chunks or lowering != "local"):
+        raise PlanMismatchError(
+            "compile=True needs the local program, and " + ("this plan keeps parameter state in chunks, which "
+            "the chunk manager fetches and releases in Python between ops (no graph can hold that)" if has_chunks
+            else "lowering='dtensor' was asked for") + "; run without compile, or plan without --offload")
+    compute = compute_dtype(plan)
+    if compute is not None and has_chunks:
+        raise PlanMismatchError("this plan asks for mixed precision (execution.mixed_precision) and keeps parameter "
+                                "state in chunks; the chunk manager does not run plans under autocast yet: plan "
+                                "without --offload, or without --mixed-precision")
+    return compute
+
+
+def _materialized(fn: Callable, cap: Capture, plan: PlanDocument, mesh: DeviceMesh, seed: int | None,
+                  state_dict: dict[str, torch.Tensor] | None) -> nn.Module:
+    """The model of ``fn`` in training mode (no KV cache), each parameter this rank's shard of its
+    planned storage placement (a tied parameter's every name placed as the one the graph uses)."""
+    model, _, fills = build_skeleton(fn)
+    model.train()
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "use_cache", False):
+        config.use_cache = False
+    placements = {cap.placeholders[pid][1]: ",".join(entry["placements"]) for pid, entry in plan.params.items()}
+    for pid, (kind, fqn) in cap.placeholders.items():
+        canonical = cap.tied.get(pid)
+        if kind == "param" and canonical in plan.params:
+            # one tensor, several names: it is stored as the program reads it, the name the graph uses
+            placements[fqn] = ",".join(plan.params[canonical]["placements"])
+    materialize(model, fills, mesh, placements, seed=seed, state_dict=state_dict)
+    return model
+
+
+def _propagation(cap: Capture, plan: PlanDocument, mesh: DeviceMesh) -> Propagation:
+    """DTensor's own propagation from the plan's placeholder, input and output placements."""
+    ph = {n.name: ",".join(plan.nodes[n.name]["outputs"][0]) for n in cap.graph.nodes if n.op == "placeholder"}
+    inputs = {k: [",".join(p) for p in v["inputs"]] for k, v in plan.nodes.items()}
+    outputs = {k: [",".join(p) for p in v["outputs"]] for k, v in plan.nodes.items()}
+    return propagate(cap, mesh, ph, node_inputs=inputs, node_outputs=outputs)
+
+
+def _lowering_for_regions(plan: PlanDocument, lowering: str, compile: bool) -> str:
+    """``lowering``, or "dtensor" for the local program of a plan with nested checkpoint regions (refused
+    with compile=True)."""
+    nested = [i for i, r in enumerate((plan.checkpoint or {}).get("regions", [])) if r.get("children")]
+    if nested and lowering == "local":
+        if compile:
+            raise PlanMismatchError(
+                f"compile=True needs the local program, and checkpoint region {nested[0]} of this plan has nested "
+                "regions, which the local program recomputes once where the plan counts each level; run without "
+                "compile, or plan with --checkpoint none|chen")
+        # The local program's partition recomputes a region op once; the plan's predictions count a nested
+        # region's ops once per level (torch.utils.checkpoint within checkpoint): the interpreter runs
+        # what the plan predicts.
+        lowering = "dtensor"
+    return lowering
 
 
 def compute_dtype(plan: PlanDocument | Mapping) -> torch.dtype | None:

@@ -114,44 +114,14 @@ def build(cap: Capture, plan: PlanDocument, mesh: DeviceMesh, device: torch.devi
     result = ExecutableGraph(module=None, code="")  # type: ignore[arg-type]
     if propagation is not None:
         result.hidden = dict(propagation.hidden)
-    planned_edges = {(e["src"], e["dst"], e["arg"]) for e in plan.edges}
-    #: values whose gradient the plan reduces once, before their producer's backward (see ops.reduce_grad)
-    reduced = set(plan.execution["grad_reductions"])
-    nodes_plan = plan.nodes
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     with graph.inserting_after(placeholders[-1]):
         mesh_node = graph.get_attr("mesh")
-    placement: dict[torch.fx.Node, str] = {}   # current placement of each distributed value
-    local: set[torch.fx.Node] = set()           # values that are plain tensors
-    wrapped: dict[torch.fx.Node, torch.fx.Node] = {}
-    moved: dict[tuple[torch.fx.Node, str], torch.fx.Node] = {}
-    replicated = _join(["R"] * mesh.ndim)
-
-    def planned(node_id: str, key: str) -> list[str]:
-        entry = nodes_plan.get(node_id)
-        if entry is None:
-            raise KeyError(f"the plan has no entry for graph node {node_id!r} (plan.nodes); solve the plan again")
-        return [_join(p) for p in entry[key]]
-
+    rw = _Rewrite(graph, mesh_node, plan.nodes, propagation, result, _join(["R"] * mesh.ndim),
+                  planned_edges={(e["src"], e["dst"], e["arg"]) for e in plan.edges},
+                  reduced=set(plan.execution["grad_reductions"]))
     for node in placeholders:
-        kind, target = cap.placeholders[node.name]
-        want = planned(node.name, "outputs")[0]
-        if kind == "input":
-            shape = tuple(int(s) for s in output_tensors(node)[0].shape)
-            new = _insert(graph, mesh_node, False, ops.place_input, (node, mesh_node, want, shape), node, node.name,
-                          f"input {target}: {want}")
-            node.replace_all_uses_with(new, delete_user_cb=lambda u, new=new: u is not new)
-            placement[new] = want
-            continue
-        stored = _join(plan.params[node.name]["placements"]) if kind == "param" and node.name in plan.params else replicated
-        placement[node] = stored
-        if stored != want and node.users:
-            new = _insert(graph, mesh_node, False, ops.redistribute, (node, mesh_node, want), node, node.name,
-                          f"{kind} {target}: stored {describe(stored, want)}")
-            node.replace_all_uses_with(new, delete_user_cb=lambda u, new=new: u is not new)
-            placement[new] = want
-            result.redistributions.append(Redistribution(node.name, node.name, 0, stored, want, _nbytes(node), "param"))
-
+        _place_placeholder(rw, cap, plan, node)
     for node in list(graph.nodes):
         if node.op != "call_function" or "cauto_owner" in node.meta:
             continue
@@ -160,62 +130,7 @@ def build(cap: Capture, plan: PlanDocument, mesh: DeviceMesh, device: torch.devi
                 graph.erase_node(node)
             continue
         _fix_devices(node, device)
-        if node.target is operator.getitem:
-            parent, index = node.args
-            if parent in local:
-                local.add(node)
-            elif parent.name in nodes_plan:
-                placement[node] = planned(parent.name, "outputs")[index]
-                last = _fix_mismatch(graph, node, parent.name, index, placement, mesh_node, propagation, result)
-                _reduce_grad(graph, last, parent.name, f"{parent.name}#{index}" in reduced, placement, mesh_node)
-            continue
-        tins = tensor_inputs(node)
-        if all(a in local for a in tins):
-            local.add(node)
-            continue
-        wanted = planned(node.name, "inputs")
-        if len(wanted) != len(tins):
-            raise ValueError(f"plan.nodes[{node.name!r}].inputs has {len(wanted)} entries but the op has "
-                             f"{len(tins)} tensor inputs; the plan does not fit this graph")
-        new_inputs = []
-        for k, arg in enumerate(tins):
-            value, have = arg, placement.get(arg, replicated)
-            if arg in local:
-                if arg not in wrapped:
-                    wrapped[arg] = _insert(graph, node, True, ops.replicate, (arg, mesh_node), arg, node.name,
-                                           "plain tensor, identical on every rank -> replicated DTensor")
-                    placement[wrapped[arg]] = replicated
-                value, have = wrapped[arg], replicated
-            if have != wanted[k]:
-                key = (value, wanted[k])
-                src_ref = _ref(arg)
-                kind = "edge" if (src_ref, node.name, k) in planned_edges else "implicit"
-                if key not in moved:
-                    moved[key] = _insert(graph, node, True, ops.redistribute, (value, mesh_node, wanted[k]), arg,
-                                         node.name, f"{kind} {src_ref} -> {node.name}[{k}]: {describe(have, wanted[k])}")
-                    placement[moved[key]] = wanted[k]
-                    result.redistributions.append(Redistribution(src_ref, node.name, k, have, wanted[k],
-                                                                  _nbytes(arg), kind))
-                value = moved[key]
-            new_inputs.append(value)
-        _replace_tensor_inputs(node, new_inputs)
-        if node.target in ops.SUBSTITUTES:
-            node.target = ops.SUBSTITUTES[node.target]
-        outs = planned(node.name, "outputs")
-        if ops.is_library_op(node.target):
-            if any(p != replicated for p in [*wanted, *outs]):
-                raise ValueError(f"plan.nodes[{node.name!r}] places the library op {node.target} (no sharding rule) "
-                                 f"{wanted} -> {outs}; it runs only replicated: solve the plan again")
-            node.args = (node.target, *node.args)
-            node.target = ops.replicated_op
-        node.meta["cauto_comment"] = _join(outs) if len(outs) == 1 else " | ".join(outs)
-        if node.name in result.hidden:
-            inside = ", ".join(f"{op} x{n}" for op, n in result.hidden[node.name].items())
-            node.meta["cauto_comment"] += f"  (DTensor redistributes inside: {inside})"
-        if len(output_tensors(node)) == 1 and not _is_container(node):
-            placement[node] = outs[0]
-            last = _fix_mismatch(graph, node, node.name, 0, placement, mesh_node, propagation, result)
-            _reduce_grad(graph, last, node.name, node.name in reduced, placement, mesh_node)
+        _rewrite_op(rw, node)
 
     (output,) = [n for n in graph.nodes if n.op == "output"]
     loss = pytree.tree_leaves(output.args)[0]
@@ -236,6 +151,128 @@ def build(cap: Capture, plan: PlanDocument, mesh: DeviceMesh, device: torch.devi
     result.module = gm
     result.code = compile_with_comments(gm)
     return result
+
+
+@dataclass
+class _Rewrite:
+    """What build() keeps while it rewrites the graph node by node."""
+
+    graph: torch.fx.Graph
+    mesh_node: torch.fx.Node
+    nodes_plan: dict
+    propagation: Propagation | None
+    result: ExecutableGraph
+    replicated: str
+    #: (src ref, dst node, arg) of the plan's edges
+    planned_edges: set[tuple[str, str, int]]
+    #: values whose gradient the plan reduces once, before their producer's backward (see ops.reduce_grad)
+    reduced: set[str]
+    placement: dict[torch.fx.Node, str] = field(default_factory=dict)  # current placement of each distributed value
+    local: set[torch.fx.Node] = field(default_factory=set)  # values that are plain tensors
+    wrapped: dict[torch.fx.Node, torch.fx.Node] = field(default_factory=dict)
+    moved: dict[tuple[torch.fx.Node, str], torch.fx.Node] = field(default_factory=dict)
+
+    def planned(self, node_id: str, key: str) -> list[str]:
+        entry = self.nodes_plan.get(node_id)
+        if entry is None:
+            raise KeyError(f"the plan has no entry for graph node {node_id!r} (plan.nodes); solve the plan again")
+        return [_join(p) for p in entry[key]]
+
+
+def _place_placeholder(rw: _Rewrite, cap: Capture, plan: PlanDocument, node: torch.fx.Node) -> None:
+    """A user input placed as planned (ops.place_input); a parameter, buffer or constant redistributed
+    from its stored placement to the one the forward uses, where they differ."""
+    graph, mesh_node, placement, result, replicated = rw.graph, rw.mesh_node, rw.placement, rw.result, rw.replicated
+    kind, target = cap.placeholders[node.name]
+    want = rw.planned(node.name, "outputs")[0]
+    if kind == "input":
+        shape = tuple(int(s) for s in output_tensors(node)[0].shape)
+        new = _insert(graph, mesh_node, False, ops.place_input, (node, mesh_node, want, shape), node, node.name,
+                      f"input {target}: {want}")
+        node.replace_all_uses_with(new, delete_user_cb=lambda u, new=new: u is not new)
+        placement[new] = want
+        return
+    stored = _join(plan.params[node.name]["placements"]) if kind == "param" and node.name in plan.params else replicated
+    placement[node] = stored
+    if stored != want and node.users:
+        new = _insert(graph, mesh_node, False, ops.redistribute, (node, mesh_node, want), node, node.name,
+                      f"{kind} {target}: stored {describe(stored, want)}")
+        node.replace_all_uses_with(new, delete_user_cb=lambda u, new=new: u is not new)
+        placement[new] = want
+        result.redistributions.append(Redistribution(node.name, node.name, 0, stored, want, _nbytes(node), "param"))
+
+
+def _rewrite_op(rw: _Rewrite, node: torch.fx.Node) -> None:
+    """One op of the graph: its tensor inputs brought to the plan's placements, its target substituted
+    where DTensor needs it, its output fixed where DTensor's choice is not the plan's."""
+    graph, mesh_node, placement, local, result = rw.graph, rw.mesh_node, rw.placement, rw.local, rw.result
+    replicated, propagation, reduced, planned = rw.replicated, rw.propagation, rw.reduced, rw.planned
+    if node.target is operator.getitem:
+        parent, index = node.args
+        if parent in local:
+            local.add(node)
+        elif parent.name in rw.nodes_plan:
+            placement[node] = planned(parent.name, "outputs")[index]
+            last = _fix_mismatch(graph, node, parent.name, index, placement, mesh_node, propagation, result)
+            _reduce_grad(graph, last, parent.name, f"{parent.name}#{index}" in reduced, placement, mesh_node)
+        return
+    tins = tensor_inputs(node)
+    if all(a in local for a in tins):
+        local.add(node)
+        return
+    wanted = planned(node.name, "inputs")
+    if len(wanted) != len(tins):
+        raise ValueError(f"plan.nodes[{node.name!r}].inputs has {len(wanted)} entries but the op has "
+                         f"{len(tins)} tensor inputs; the plan does not fit this graph")
+    _replace_tensor_inputs(node, _inputs_as_planned(rw, node, tins, wanted))
+    if node.target in ops.SUBSTITUTES:
+        node.target = ops.SUBSTITUTES[node.target]
+    outs = planned(node.name, "outputs")
+    if ops.is_library_op(node.target):
+        if any(p != replicated for p in [*wanted, *outs]):
+            raise ValueError(f"plan.nodes[{node.name!r}] places the library op {node.target} (no sharding rule) "
+                             f"{wanted} -> {outs}; it runs only replicated: solve the plan again")
+        node.args = (node.target, *node.args)
+        node.target = ops.replicated_op
+    node.meta["cauto_comment"] = _join(outs) if len(outs) == 1 else " | ".join(outs)
+    if node.name in result.hidden:
+        inside = ", ".join(f"{op} x{n}" for op, n in result.hidden[node.name].items())
+        node.meta["cauto_comment"] += f"  (DTensor redistributes inside: {inside})"
+    if len(output_tensors(node)) == 1 and not _is_container(node):
+        placement[node] = outs[0]
+        last = _fix_mismatch(graph, node, node.name, 0, placement, mesh_node, propagation, result)
+        _reduce_grad(graph, last, node.name, node.name in reduced, placement, mesh_node)
+
+
+def _inputs_as_planned(rw: _Rewrite, node: torch.fx.Node, tins: list[torch.fx.Node],
+                       wanted: list[str]) -> list[torch.fx.Node]:
+    """The values ``node`` reads in place of its tensor inputs ``tins``: a plain tensor wrapped as a
+    replicated DTensor (once), then redistributed to ``wanted`` where it is not there (once per value
+    and placement: an edge of the plan, or an implicit one)."""
+    graph, mesh_node, placement, result, replicated = rw.graph, rw.mesh_node, rw.placement, rw.result, rw.replicated
+    local, wrapped, moved = rw.local, rw.wrapped, rw.moved
+    new_inputs = []
+    for k, arg in enumerate(tins):
+        value, have = arg, placement.get(arg, replicated)
+        if arg in local:
+            if arg not in wrapped:
+                wrapped[arg] = _insert(graph, node, True, ops.replicate, (arg, mesh_node), arg, node.name,
+                                       "plain tensor, identical on every rank -> replicated DTensor")
+                placement[wrapped[arg]] = replicated
+            value, have = wrapped[arg], replicated
+        if have != wanted[k]:
+            key = (value, wanted[k])
+            src_ref = _ref(arg)
+            kind = "edge" if (src_ref, node.name, k) in rw.planned_edges else "implicit"
+            if key not in moved:
+                moved[key] = _insert(graph, node, True, ops.redistribute, (value, mesh_node, wanted[k]), arg,
+                                     node.name, f"{kind} {src_ref} -> {node.name}[{k}]: {describe(have, wanted[k])}")
+                placement[moved[key]] = wanted[k]
+                result.redistributions.append(Redistribution(src_ref, node.name, k, have, wanted[k],
+                                                              _nbytes(arg), kind))
+            value = moved[key]
+        new_inputs.append(value)
+    return new_inputs
 
 
 def _is_container(node: torch.fx.Node) -> bool:

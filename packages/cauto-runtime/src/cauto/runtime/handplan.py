@@ -15,7 +15,7 @@ from __future__ import annotations
 from cauto.plan import CURRENT_VERSION, check_document
 from cauto.profiler.capture import Capture, output_tensors, ref_of, tensor_inputs
 from cauto.runtime.collectives import edge_collectives
-from cauto.runtime.propagate import propagate
+from cauto.runtime.propagate import Propagation, propagate
 
 CLUSTER = {"name": "test-cpu", "axes": [{"latency_s": 1e-5, "bandwidth_bytes_per_s": 1e9}],
            "device": {"memory_bytes": 2**34, "peak_flops": 1e11, "memory_bandwidth_bytes_per_s": 1e10}}
@@ -35,43 +35,9 @@ def make_plan(cap: Capture, mesh, *, inputs: str, params: dict[str, str] | str |
     """
     axes = mesh.ndim
     rep = ",".join(["R"] * axes)
-    ph = {}
-    for name, (kind, fqn) in cap.placeholders.items():
-        if kind == "input":
-            ph[name] = inputs
-        elif kind == "param":
-            ph[name] = params if isinstance(params, str) else (params or {}).get(fqn, rep)
-        else:
-            ph[name] = rep
-    overrides = dict(force or {})
-    for _ in range(50):
-        prop = propagate(cap, mesh, ph, node_inputs=overrides)
-        bad = [n for n in cap.value_nodes() if n.name in prop.failed
-               and all(ref_of(a).split("#")[0] not in prop.failed for a in tensor_inputs(n))]
-        if not bad:
-            break
-        node = bad[0]
-        overrides[node.name] = [ph[a.name] if a.op == "placeholder" and cap.placeholders[a.name][0] != "input"
-                                else (inputs if output_tensors(a)[0].dim() > 0 else rep) for a in tensor_inputs(node)]
-    else:
-        raise RuntimeError(f"DTensor cannot run these ops with the placements given: {prop.failed}")
-    nodes, edges, forward = {}, [], []
-    outputs_of = {}
-    for node in cap.value_nodes():
-        ins = [p.split(",") for p in prop.inputs[node.name]]
-        outs = [p.split(",") for p in prop.outputs[node.name]]
-        nodes[node.name] = {"inputs": ins, "outputs": outs}
-        outputs_of[node.name] = prop.outputs[node.name]
-        for k, a in enumerate(tensor_inputs(node) if node.op != "placeholder" else []):
-            src, _, idx = ref_of(a).partition("#")
-            have = outputs_of[src][int(idx or 0)] if src in outputs_of else rep
-            if have != prop.inputs[node.name][k]:
-                t = output_tensors(a)[0]
-                colls = edge_collectives(have, prop.inputs[node.name][k], t.numel() * t.element_size(),
-                                         where=f"{ref_of(a)}->{node.name}[{k}]")
-                edges.append({"src": src, "dst": node.name, "arg": k, "src_placements": have.split(","),
-                              "dst_placements": prop.inputs[node.name][k].split(","), "collectives": colls})
-                forward += colls
+    ph = _placeholder_placements(cap, inputs, params, rep)
+    prop = _propagate_until_it_runs(cap, mesh, ph, force, inputs, rep)
+    nodes, edges, forward, outputs_of = _nodes_and_edges(cap, prop, rep)
     for node_id, counts in prop.hidden.items():
         for op, n in counts.items():
             forward += [{"op": op, "axis": 0, "bytes": 0, "phase": "forward", "where": f"inside {node_id}"}] * n
@@ -106,3 +72,59 @@ def make_plan(cap: Capture, mesh, *, inputs: str, params: dict[str, str] | str |
             entry["state"] = "chunked"
     return check_document(plan, "plan")
 
+
+
+def _placeholder_placements(cap: Capture, inputs: str, params: dict[str, str] | str | None, rep: str) -> dict:
+    """Placeholder name -> placement: ``inputs`` for user inputs, ``params`` for parameters, the rest
+    replicated."""
+    ph = {}
+    for name, (kind, fqn) in cap.placeholders.items():
+        if kind == "input":
+            ph[name] = inputs
+        elif kind == "param":
+            ph[name] = params if isinstance(params, str) else (params or {}).get(fqn, rep)
+        else:
+            ph[name] = rep
+    return ph
+
+
+def _propagate_until_it_runs(cap: Capture, mesh, ph: dict, force: dict[str, list[str]] | None, inputs: str,
+                             rep: str) -> Propagation:
+    """DTensor's propagation from ``ph``; each first op it cannot run gets its inputs forced to the
+    placeholders' placements (user inputs: ``inputs``, scalars replicated), up to 50 times."""
+    overrides = dict(force or {})
+    for _ in range(50):
+        prop = propagate(cap, mesh, ph, node_inputs=overrides)
+        bad = [n for n in cap.value_nodes() if n.name in prop.failed
+               and all(ref_of(a).split("#")[0] not in prop.failed for a in tensor_inputs(n))]
+        if not bad:
+            break
+        node = bad[0]
+        overrides[node.name] = [ph[a.name] if a.op == "placeholder" and cap.placeholders[a.name][0] != "input"
+                                else (inputs if output_tensors(a)[0].dim() > 0 else rep) for a in tensor_inputs(node)]
+    else:
+        raise RuntimeError(f"DTensor cannot run these ops with the placements given: {prop.failed}")
+    return prop
+
+
+def _nodes_and_edges(cap: Capture, prop: Propagation, rep: str) -> tuple[dict, list, list, dict]:
+    """The plan's nodes and edges from a propagation: (nodes, edges, the edges' forward collectives,
+    node -> its output placements)."""
+    nodes, edges, forward = {}, [], []
+    outputs_of = {}
+    for node in cap.value_nodes():
+        ins = [p.split(",") for p in prop.inputs[node.name]]
+        outs = [p.split(",") for p in prop.outputs[node.name]]
+        nodes[node.name] = {"inputs": ins, "outputs": outs}
+        outputs_of[node.name] = prop.outputs[node.name]
+        for k, a in enumerate(tensor_inputs(node) if node.op != "placeholder" else []):
+            src, _, idx = ref_of(a).partition("#")
+            have = outputs_of[src][int(idx or 0)] if src in outputs_of else rep
+            if have != prop.inputs[node.name][k]:
+                t = output_tensors(a)[0]
+                colls = edge_collectives(have, prop.inputs[node.name][k], t.numel() * t.element_size(),
+                                         where=f"{ref_of(a)}->{node.name}[{k}]")
+                edges.append({"src": src, "dst": node.name, "arg": k, "src_placements": have.split(","),
+                              "dst_placements": prop.inputs[node.name][k].split(","), "collectives": colls})
+                forward += colls
+    return nodes, edges, forward, outputs_of

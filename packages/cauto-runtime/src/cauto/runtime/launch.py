@@ -64,25 +64,7 @@ def collective_failure(exc: BaseException, timeout_s: float) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="cauto.runtime.launch", description=__doc__.splitlines()[0])
-    parser.add_argument("target", help="model factory, e.g. cauto.profiler.zoo:gpt")
-    parser.add_argument("--plan", required=True)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout-s", type=float, default=120.0, help="collective timeout")
-    parser.add_argument("--verify", action="store_true", help="print predicted vs executed collectives and peak memory")
-    parser.add_argument("--measured-out", help="where --verify writes its JSON report (default: PLAN.measured.json)")
-    parser.add_argument("--batch", type=int, help="passed to the factory as batch= (as for cauto-profile)")
-    parser.add_argument("--seq", type=int, help="passed to the factory as seq= (as for cauto-profile)")
-    parser.add_argument("--compile", action="store_true",
-                        help="run the local program's forward and backward graphs compiled by inductor")
-    parser.add_argument("--accumulate", type=int, default=1,
-                        help="micro-batches per optimizer step (the example batch each; all but the last under no_sync)")
-    parser.add_argument("--max-norm", type=float, help="clip the global gradient norm (model.clip_grad_norm_)")
-    parser.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (with --save-dir)")
-    parser.add_argument("--save-dir", help="where checkpoints go (DIR/step-N, complete or absent)")
-    parser.add_argument("--resume", help="a checkpoint folder (or a --save-dir) to resume training from")
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.accumulate < 1:
         parser.error("--accumulate must be at least 1")
@@ -90,13 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from cauto.plan import load_plan, write_atomic
+    from cauto.plan import load_plan
     from cauto.profiler.capture import split_inputs
     from cauto.profiler.target import bind_sizes, load_target
     from cauto.runtime.apply import apply
-    from cauto.runtime.chunks.data_parallel import ChunkedParallelModule, chunk_report, format_chunk_report
     from cauto.runtime.dist_utils import init_distributed, make_mesh
-    from cauto.runtime.verify import format_report, verify_step
 
     rank = 0
     beat = Heartbeat.from_env()
@@ -117,46 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         first = model.load(args.resume) if args.resume else 0
         if rank == 0 and args.resume:
             print(f"resumed from step {first} ({args.resume})", flush=True)
-        for step in range(first, args.steps):
-            start = time.perf_counter()
-            loss = 0.0
-            for i in range(args.accumulate):  # all but the last micro-batch without gradient sync
-                with model.no_sync() if i < args.accumulate - 1 else contextlib.nullcontext():
-                    beat.enter("forward", step + 1)
-                    micro = model(*inputs[0], **inputs[1]) / args.accumulate
-                    beat.enter("backward", step + 1)
-                    micro.backward()
-                loss += micro.detach()
-            beat.enter("optimizer", step + 1)
-            if args.max_norm is not None:
-                model.clip_grad_norm_(args.max_norm)
-            opt.step()
-            opt.zero_grad()
-            if rank == 0:  # `cauto run` draws its step bar from this line (cauto.cli.run.STEP_LINE)
-                print(f"step {step + 1}/{args.steps} loss {loss.item():.9g} time {time.perf_counter() - start:.3f} s", flush=True)
-            if args.save_dir and args.save_every and (step + 1) % args.save_every == 0:
-                beat.enter("save", step + 1)
-                model.save(args.save_dir, step + 1)
+        _train(args, model, opt, inputs, first, beat, rank)
         beat.enter("verify" if args.verify else "finish")
-        if args.verify and (isinstance(model, ChunkedParallelModule) or getattr(model, "manager", None) is not None):
-            report = chunk_report(model, inputs)
-            if rank == 0:
-                print(format_chunk_report(report, rank), flush=True)
-                measured_path = Path(args.measured_out or Path(args.plan).with_suffix(".measured.json"))
-                write_atomic(measured_path, json.dumps(report, indent=1, default=str) + "\n")
-                print(f"measured figures written to {measured_path}", flush=True)
-        elif args.verify:
-            report = verify_step(model, inputs, opt, accumulate=args.accumulate)
-            device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-            mine = torch.tensor([report["peak_bytes"]["measured"]], dtype=torch.int64, device=device)
-            every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-            dist.all_gather(every, mine)
-            report["peak_bytes"]["measured_per_rank"] = [int(t.item()) for t in every]
-            if rank == 0:
-                print(format_report(report, rank), flush=True)
-                measured_path = Path(args.measured_out or Path(args.plan).with_suffix(".measured.json"))
-                write_atomic(measured_path, json.dumps(report, indent=1, default=str) + "\n")
-                print(f"measured figures written to {measured_path} (cauto explain shows them)", flush=True)
+        if args.verify:
+            _verify(args, model, opt, inputs, rank)
         dist.barrier()
         dist.destroy_process_group()
         beat.end("done")
@@ -173,6 +117,86 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[rank {rank}] cauto launch failed in {where}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         beat.end("failed", line)
         return 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The launcher's arguments."""
+    parser = argparse.ArgumentParser(prog="cauto.runtime.launch", description=__doc__.splitlines()[0])
+    parser.add_argument("target", help="model factory, e.g. cauto.profiler.zoo:gpt")
+    parser.add_argument("--plan", required=True)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout-s", type=float, default=120.0, help="collective timeout")
+    parser.add_argument("--verify", action="store_true", help="print predicted vs executed collectives and peak memory")
+    parser.add_argument("--measured-out", help="where --verify writes its JSON report (default: PLAN.measured.json)")
+    parser.add_argument("--batch", type=int, help="passed to the factory as batch= (as for cauto-profile)")
+    parser.add_argument("--seq", type=int, help="passed to the factory as seq= (as for cauto-profile)")
+    parser.add_argument("--compile", action="store_true",
+                        help="run the local program's forward and backward graphs compiled by inductor")
+    parser.add_argument("--accumulate", type=int, default=1,
+                        help="micro-batches per optimizer step (the example batch each; all but the last under no_sync)")
+    parser.add_argument("--max-norm", type=float, help="clip the global gradient norm (model.clip_grad_norm_)")
+    parser.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (with --save-dir)")
+    parser.add_argument("--save-dir", help="where checkpoints go (DIR/step-N, complete or absent)")
+    parser.add_argument("--resume", help="a checkpoint folder (or a --save-dir) to resume training from")
+    return parser
+
+
+def _train(args: argparse.Namespace, model, opt, inputs, first: int, beat: Heartbeat, rank: int) -> None:
+    """Steps ``first`` to ``args.steps``: micro-batches, clipping, the optimizer step, rank 0's step line
+    and the checkpoints, each phase announced to the heartbeat."""
+    for step in range(first, args.steps):
+        start = time.perf_counter()
+        loss = 0.0
+        for i in range(args.accumulate):  # all but the last micro-batch without gradient sync
+            with model.no_sync() if i < args.accumulate - 1 else contextlib.nullcontext():
+                beat.enter("forward", step + 1)
+                micro = model(*inputs[0], **inputs[1]) / args.accumulate
+                beat.enter("backward", step + 1)
+                micro.backward()
+            loss += micro.detach()
+        beat.enter("optimizer", step + 1)
+        if args.max_norm is not None:
+            model.clip_grad_norm_(args.max_norm)
+        opt.step()
+        opt.zero_grad()
+        if rank == 0:  # `cauto run` draws its step bar from this line (cauto.cli.run.STEP_LINE)
+            print(f"step {step + 1}/{args.steps} loss {loss.item():.9g} time {time.perf_counter() - start:.3f} s", flush=True)
+        if args.save_dir and args.save_every and (step + 1) % args.save_every == 0:
+            beat.enter("save", step + 1)
+            model.save(args.save_dir, step + 1)
+
+
+def _verify(args: argparse.Namespace, model, opt, inputs, rank: int) -> None:
+    """``--verify``: one more step measured against the plan (the chunk report for chunked state); rank 0
+    prints it and writes the JSON report."""
+    import torch
+    import torch.distributed as dist
+
+    from cauto.plan import write_atomic
+    from cauto.runtime.chunks.data_parallel import ChunkedParallelModule, chunk_report, format_chunk_report
+    from cauto.runtime.verify import format_report, verify_step
+
+    if isinstance(model, ChunkedParallelModule) or getattr(model, "manager", None) is not None:
+        report = chunk_report(model, inputs)
+        if rank == 0:
+            print(format_chunk_report(report, rank), flush=True)
+            measured_path = Path(args.measured_out or Path(args.plan).with_suffix(".measured.json"))
+            write_atomic(measured_path, json.dumps(report, indent=1, default=str) + "\n")
+            print(f"measured figures written to {measured_path}", flush=True)
+    else:
+        report = verify_step(model, inputs, opt, accumulate=args.accumulate)
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        mine = torch.tensor([report["peak_bytes"]["measured"]], dtype=torch.int64, device=device)
+        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        report["peak_bytes"]["measured_per_rank"] = [int(t.item()) for t in every]
+        if rank == 0:
+            print(format_report(report, rank), flush=True)
+            measured_path = Path(args.measured_out or Path(args.plan).with_suffix(".measured.json"))
+            write_atomic(measured_path, json.dumps(report, indent=1, default=str) + "\n")
+            print(f"measured figures written to {measured_path} (cauto explain shows them)", flush=True)
 
 
 if __name__ == "__main__":

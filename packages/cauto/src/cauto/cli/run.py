@@ -204,6 +204,45 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1:]
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return 2 if exc.code else 0
+    problem = _argument_problem(args)
+    if problem is not None:
+        print(problem, file=sys.stderr)
+        return 2
+    try:
+        hosts = Hosts.from_args(args, extra)
+    except HostsError as exc:
+        print(f"cauto run: {exc}", file=sys.stderr)
+        return 2
+    if hosts is not None:
+        extra = hosts.torchrun_flags() + extra
+    problem = check_launch(args.target, args.plan, _world_size(args.nproc, extra),
+                           {"batch": args.batch, "seq": args.seq}, args.resume, args.mixed_precision,
+                           hosts.nnodes if hosts else 1)
+    if problem is not None:
+        print(problem, file=sys.stderr)
+        return 2
+    if args.accumulate is not None and args.accumulate < 1:
+        print("cauto run: --accumulate must be at least 1", file=sys.stderr)
+        return 2
+    sizes = [f"--{k}={v}" for k, v in (("batch", args.batch), ("seq", args.seq), ("save-every", args.save_every or None),
+                                       ("accumulate", args.accumulate), ("max-norm", args.max_norm),
+                                       ("save-dir", args.save_dir), ("resume", args.resume)) if v is not None]
+    cmd = torchrun_command(args.target, args.plan, args.nproc, args.steps, args.verify, extra, sizes, args.timeout_s,
+                           compile=args.compile)
+    if hosts is not None:
+        note = hosts_note(args.plan, args.nproc)
+        if note:
+            print(note, file=sys.stderr, flush=True)
+    return run_torchrun(cmd, nproc=args.nproc, timeout_s=args.timeout_s, hosts=hosts)
+
+
+def _parser() -> argparse.ArgumentParser:
+    """`cauto run`'s arguments; what follows `--` goes to torchrun and is cut off before."""
     parser = argparse.ArgumentParser(prog="cauto run", description=__doc__.splitlines()[0])
     parser.add_argument("target", help="model factory: path/file.py:fn or pkg.module:fn")
     parser.add_argument("--plan", required=True, help="plan.json from `cauto plan`")
@@ -234,46 +273,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="torchrun's rendezvous (default c10d)")
     parser.add_argument("--rdzv-timeout-s", type=float, default=300.0,
                         help="how long the hosts wait for each other to join before the job ends (default 300)")
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:
-        return 2 if exc.code else 0
+    return parser
+
+
+def _argument_problem(args: argparse.Namespace) -> str | None:
+    """The error line for arguments that are wrong by themselves (before the plan is read); None when
+    there is none."""
     if not Path(args.plan).is_file():
-        print(f"cauto run: plan file {args.plan!r} not found; create one with `cauto plan GRAPH -o plan.json`",
-              file=sys.stderr)
-        return 2
+        return f"cauto run: plan file {args.plan!r} not found; create one with `cauto plan GRAPH -o plan.json`"
     if args.nproc < 1:
-        print("cauto run: --nproc must be at least 1", file=sys.stderr)
-        return 2
+        return "cauto run: --nproc must be at least 1"
     if not 0 < args.timeout_s < float("inf"):
-        print(f"cauto run: --timeout-s {args.timeout_s:g} is not a positive number of seconds", file=sys.stderr)
-        return 2
+        return f"cauto run: --timeout-s {args.timeout_s:g} is not a positive number of seconds"
     if args.save_every < 0 or bool(args.save_every) != bool(args.save_dir):
-        print("cauto run: --save-every N (N >= 1) and --save-dir DIR go together", file=sys.stderr)
-        return 2
-    try:
-        hosts = Hosts.from_args(args, extra)
-    except HostsError as exc:
-        print(f"cauto run: {exc}", file=sys.stderr)
-        return 2
-    if hosts is not None:
-        extra = hosts.torchrun_flags() + extra
-    problem = check_launch(args.target, args.plan, _world_size(args.nproc, extra),
-                           {"batch": args.batch, "seq": args.seq}, args.resume, args.mixed_precision,
-                           hosts.nnodes if hosts else 1)
-    if problem is not None:
-        print(problem, file=sys.stderr)
-        return 2
-    if args.accumulate is not None and args.accumulate < 1:
-        print("cauto run: --accumulate must be at least 1", file=sys.stderr)
-        return 2
-    sizes = [f"--{k}={v}" for k, v in (("batch", args.batch), ("seq", args.seq), ("save-every", args.save_every or None),
-                                       ("accumulate", args.accumulate), ("max-norm", args.max_norm),
-                                       ("save-dir", args.save_dir), ("resume", args.resume)) if v is not None]
-    cmd = torchrun_command(args.target, args.plan, args.nproc, args.steps, args.verify, extra, sizes, args.timeout_s,
-                           compile=args.compile)
-    if hosts is not None:
-        note = hosts_note(args.plan, args.nproc)
-        if note:
-            print(note, file=sys.stderr, flush=True)
-    return run_torchrun(cmd, nproc=args.nproc, timeout_s=args.timeout_s, hosts=hosts)
+        return "cauto run: --save-every N (N >= 1) and --save-dir DIR go together"
+    return None
