@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.fx.graph_module import _forward_from_src
 
 from cauto.plan import PlanDocument
+from cauto.plan.precision import bytes_as, cast_on_entry, common_cast
 from cauto.profiler.capture import SKIPPED_TARGETS, Capture, output_tensors, tensor_bytes, tensor_inputs
 from cauto.runtime import ops
 from cauto.runtime.collectives import describe
@@ -73,9 +74,28 @@ def _join(placements: list[str]) -> str:
     return ",".join(placements)
 
 
-def _nbytes(node: torch.fx.Node) -> int:
+def _nbytes(node: torch.fx.Node, moved_in: torch.dtype | None = None) -> int:
     tensors = output_tensors(node)
-    return tensor_bytes(tensors[0]) if tensors else 0
+    if not tensors:
+        return 0
+    return bytes_as(tensor_bytes(tensors[0]), _dtype_name(tensors[0].dtype), _dtype_name(moved_in))
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def entry_cast(value: torch.fx.Node, consumer: torch.fx.Node) -> torch.dtype | None:
+    """The dtype ``consumer`` casts ``value`` to as it starts (autocast; cauto.plan.precision), or None."""
+    tensors, outs = output_tensors(value), output_tensors(consumer)
+    if not tensors or not outs:
+        return None
+    cast = cast_on_entry(_dtype_name(tensors[0].dtype), tensors[0].dim(), [_dtype_name(t.dtype) for t in outs])
+    return None if cast is None else getattr(torch, cast)
+
+
+def _in(cast: torch.dtype | None) -> str:
+    return "" if cast is None else f", moved in {_dtype_name(cast)}"
 
 
 def _fix_devices(node: torch.fx.Node, device: torch.device) -> None:
@@ -117,9 +137,12 @@ def build(cap: Capture, plan: PlanDocument, mesh: DeviceMesh, device: torch.devi
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     with graph.inserting_after(placeholders[-1]):
         mesh_node = graph.get_attr("mesh")
+    mixed = plan.execution.get("mixed_precision") or {}
+    reduce_dtype = mixed.get("reduce_dtype")
     rw = _Rewrite(graph, mesh_node, plan.nodes, propagation, result, _join(["R"] * mesh.ndim),
                   planned_edges={(e["src"], e["dst"], e["arg"]) for e in plan.edges},
-                  reduced=set(plan.execution["grad_reductions"]))
+                  reduced=set(plan.execution["grad_reductions"]),
+                  backward_dtype=getattr(torch, reduce_dtype) if reduce_dtype and reduce_dtype != "float32" else None)
     for node in placeholders:
         _place_placeholder(rw, cap, plan, node)
     for node in list(graph.nodes):
@@ -170,7 +193,10 @@ class _Rewrite:
     placement: dict[torch.fx.Node, str] = field(default_factory=dict)  # current placement of each distributed value
     local: set[torch.fx.Node] = field(default_factory=set)  # values that are plain tensors
     wrapped: dict[torch.fx.Node, torch.fx.Node] = field(default_factory=dict)
-    moved: dict[tuple[torch.fx.Node, str], torch.fx.Node] = field(default_factory=dict)
+    #: (value, placement, dtype it moves in or None) -> the redistributed value
+    moved: dict[tuple[torch.fx.Node, str, torch.dtype | None], torch.fx.Node] = field(default_factory=dict)
+    #: the dtype gradients of values moved in a lower dtype are reduced in (None: the value's own)
+    backward_dtype: torch.dtype | None = None
 
     def planned(self, node_id: str, key: str) -> list[str]:
         entry = self.nodes_plan.get(node_id)
@@ -195,11 +221,14 @@ def _place_placeholder(rw: _Rewrite, cap: Capture, plan: PlanDocument, node: tor
     stored = _join(plan.params[node.name]["placements"]) if kind == "param" and node.name in plan.params else replicated
     placement[node] = stored
     if stored != want and node.users:
-        new = _insert(graph, mesh_node, False, ops.redistribute, (node, mesh_node, want), node, node.name,
-                      f"{kind} {target}: stored {describe(stored, want)}")
+        # moved in the compute dtype when every reader casts it on entry (cauto.plan.precision)
+        cast = common_cast(entry_cast(node, u) for u in node.users for a in tensor_inputs(u) if a is node)
+        new = _insert(graph, mesh_node, False, ops.redistribute, (node, mesh_node, want, cast, rw.backward_dtype),
+                      node, node.name, f"{kind} {target}: stored {describe(stored, want)}{_in(cast)}")
         node.replace_all_uses_with(new, delete_user_cb=lambda u, new=new: u is not new)
         placement[new] = want
-        result.redistributions.append(Redistribution(node.name, node.name, 0, stored, want, _nbytes(node), "param"))
+        result.redistributions.append(Redistribution(node.name, node.name, 0, stored, want, _nbytes(node, cast),
+                                                     "param"))
 
 
 def _rewrite_op(rw: _Rewrite, node: torch.fx.Node) -> None:
@@ -261,15 +290,17 @@ def _inputs_as_planned(rw: _Rewrite, node: torch.fx.Node, tins: list[torch.fx.No
                 placement[wrapped[arg]] = replicated
             value, have = wrapped[arg], replicated
         if have != wanted[k]:
-            key = (value, wanted[k])
+            cast = entry_cast(arg, node)
+            key = (value, wanted[k], cast)
             src_ref = _ref(arg)
             kind = "edge" if (src_ref, node.name, k) in rw.planned_edges else "implicit"
             if key not in moved:
-                moved[key] = _insert(graph, node, True, ops.redistribute, (value, mesh_node, wanted[k]), arg,
-                                     node.name, f"{kind} {src_ref} -> {node.name}[{k}]: {describe(have, wanted[k])}")
+                moved[key] = _insert(graph, node, True, ops.redistribute,
+                                     (value, mesh_node, wanted[k], cast, rw.backward_dtype), arg, node.name,
+                                     f"{kind} {src_ref} -> {node.name}[{k}]: {describe(have, wanted[k])}{_in(cast)}")
                 placement[moved[key]] = wanted[k]
                 result.redistributions.append(Redistribution(src_ref, node.name, k, have, wanted[k],
-                                                              _nbytes(arg), kind))
+                                                              _nbytes(arg, cast), kind))
             value = moved[key]
         new_inputs.append(value)
     return new_inputs

@@ -25,8 +25,13 @@ def _tracing() -> bool:
         torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
 
 
-def redistribute(x: DTensor, mesh: DeviceMesh, placements: str) -> DTensor:
+def redistribute(x: DTensor, mesh: DeviceMesh, placements: str, forward_dtype: torch.dtype | None = None,
+                 backward_dtype: torch.dtype | None = None) -> DTensor:
     """``x`` redistributed to ``placements`` (a plan edge): all-gather, all-reduce, reduce-scatter...
+
+    ``forward_dtype``: cast first and move the cast (mixed precision, cauto.plan.precision: the
+    consumer would cast on entry anyway); the gradient's collective runs in ``x``'s own dtype, or in
+    ``backward_dtype`` where the plan reduces in bf16, and comes back in ``x``'s dtype.
 
     The gradient that flows back through it gets ``x``'s memory layout (_GradLayoutOfInput): a
     collective returns contiguous tensors, and an op upstream may view the gradient as only ``x``'s
@@ -36,7 +41,9 @@ def redistribute(x: DTensor, mesh: DeviceMesh, placements: str) -> DTensor:
         return x
     if x.requires_grad and not x._local_tensor.is_contiguous():
         x = _GradLayoutOfInput.apply(x)
-    return x.redistribute(mesh, target)
+    if forward_dtype is None or forward_dtype == x.dtype:
+        return x.redistribute(mesh, target)
+    return x.redistribute(mesh, target, forward_dtype=forward_dtype, backward_dtype=backward_dtype)
 
 
 class _GradLayoutOfInput(torch.autograd.Function):

@@ -28,10 +28,12 @@ from collections.abc import Mapping
 
 from cauto.plan import CURRENT_VERSION, GraphDocument, GraphNode, split_ref
 from cauto.plan.execution import GRAD_OF
+from cauto.plan.precision import bytes_as
 from cauto.plan.versioning import format_version
 from cauto.solver.cluster import ClusterSpec
 from cauto.solver.cost.model import CostModel
 from cauto.solver.cost.reshard import Collective, backward_target, is_partial, reshard
+from cauto.solver.memory.casts import entry_casts
 from cauto.solver.memory.model import MemoryModel
 from cauto.solver.memory.walk import predicted_peak_bytes
 from cauto.solver.strategies.groups import tensor_requires_grad
@@ -112,22 +114,26 @@ def redistributions(g: GraphDocument, nodes: list[GraphNode], chosen: Mapping[st
     mesh = tuple(cost.mesh_shape)
     edges, fwd, bwd = [], [], []
     #: (value ref, placement) already redistributed: later consumers reuse it (runtime execute.py)
-    redistributed: set[tuple[str, tuple]] = set()
+    redistributed: set[tuple[str, tuple, str | None]] = set()
     arriving: dict[str, dict[tuple, int]] = {}
+    casts = entry_casts(nodes)  # mixed precision: inputs moved in the dtype their consumer casts them to
     for n in nodes:
         s = chosen[n.id]
         for k, ref in enumerate(n.inputs):
             src_id, o = split_ref(ref)
             src_pl, dst_pl, grad_pl = value_placement(by_id, chosen, ref), s.inputs[k], s.input_grads[k]
-            nbytes = by_id[src_id].outputs[o].bytes
+            meta = by_id[src_id].outputs[o]
+            nbytes = meta.bytes
             needs_grad = rg[src_id]
             if src_pl != dst_pl:
                 where = f"{src_id}->{n.id}:{k}"
-                if (ref, dst_pl) in redistributed:  # the runtime redistributes a value once per placement
+                dtype = casts.get((n.id, k))
+                if (ref, dst_pl, dtype) in redistributed:  # the runtime moves a value once per placement and dtype
                     f_c = b_c = ()
                 else:
-                    redistributed.add((ref, dst_pl))
-                    f_c = reshard(src_pl, dst_pl, nbytes, mesh, cost.links, cost.overhead_s, cost.all_to_all)
+                    redistributed.add((ref, dst_pl, dtype))
+                    f_c = reshard(src_pl, dst_pl, bytes_as(nbytes, meta.dtype, dtype), mesh, cost.links,
+                                  cost.overhead_s, cost.all_to_all)
                     b_c = reshard(grad_pl, backward_target(grad_pl, src_pl), nbytes, mesh, cost.links,
                                   cost.overhead_s, cost.all_to_all) if needs_grad else ()
                 fwd += collective_dicts(f_c, "forward", where)

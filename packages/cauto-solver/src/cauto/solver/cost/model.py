@@ -73,13 +73,15 @@ class CostModel:
         return reshard_cost_s(src, dst, nbytes, self.mesh_shape, self.links, self.overhead_s, self.all_to_all)
 
     def edge_cost_s(self, src: Placements, dst: Placements, grad: Placements, nbytes: int, needs_grad: bool,
-                    fanout: int = 1) -> float:
-        """Forward plus backward seconds of one producer->consumer edge (module docstring)."""
-        key = (src, dst, grad, nbytes, needs_grad, fanout)
+                    fanout: int = 1, moved_nbytes: int | None = None) -> float:
+        """Forward plus backward seconds of one producer->consumer edge (module docstring).
+        ``moved_nbytes``: the forward moves fewer bytes than the gradient (mixed precision: the value
+        is cast to bf16 before it moves, the gradient is reduced in fp32; memory/casts.py)."""
+        key = (src, dst, grad, nbytes, needs_grad, fanout, moved_nbytes)
         hit = self._pair_cache.get(key)
         if hit is not None:
             return hit
-        t = self.reshard_s(src, dst, nbytes)
+        t = self.reshard_s(src, dst, nbytes if moved_nbytes is None else moved_nbytes)
         if needs_grad:
             back = self.reshard_s(grad, backward_target(grad, src), nbytes)
             t += back if src != dst else back / fanout
@@ -87,16 +89,18 @@ class CostModel:
         return t
 
     def edge_matrix(self, src_pls: tuple[Placements, ...], consumer: tuple[Strategy, ...], arg: int,
-                    nbytes: int, needs_grad: bool, fanout: int = 1) -> np.ndarray:
+                    nbytes: int, needs_grad: bool, fanout: int = 1, moved_nbytes: int | None = None) -> np.ndarray:
         """Cost matrix [producer strategy, consumer strategy] of one edge, in seconds (cached)."""
-        key = (src_pls, tuple((s.inputs[arg], s.input_grads[arg]) for s in consumer), nbytes, needs_grad, fanout)
+        key = (src_pls, tuple((s.inputs[arg], s.input_grads[arg]) for s in consumer), nbytes, needs_grad, fanout,
+               moved_nbytes)
         hit = self._edge_cache.get(key)
         if hit is not None:
             return hit
         m = np.empty((len(src_pls), len(consumer)))
         for i, src in enumerate(src_pls):
             for j, s in enumerate(consumer):
-                m[i, j] = self.edge_cost_s(src, s.inputs[arg], s.input_grads[arg], nbytes, needs_grad, fanout)
+                m[i, j] = self.edge_cost_s(src, s.inputs[arg], s.input_grads[arg], nbytes, needs_grad, fanout,
+                                           moved_nbytes)
         m.setflags(write=False)
         self._edge_cache[key] = m
         return m

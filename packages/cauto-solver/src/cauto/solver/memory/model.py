@@ -46,7 +46,9 @@ import math
 from collections.abc import Mapping
 
 from cauto.plan import GraphNode, split_ref
+from cauto.plan.precision import bytes_as
 from cauto.solver.cost.reshard import retained_bytes
+from cauto.solver.memory.casts import entry_casts
 from cauto.solver.strategies.node import Strategy, shard_count
 
 _ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
@@ -79,6 +81,10 @@ class MemoryModel:
         #: unsharded temporaries of the optimizer step, and the largest parameter's bytes they scale with
         self.optimizer_extra = 0
         self._largest_param = 0
+        #: mixed precision (casts.py): op id -> {input index: unsharded bytes of the compute-dtype copy of
+        #: that input the op casts on entry and saves}; (op id, input index) -> dtype it moves in
+        self.saved_casts: dict[str, dict[int, int]] = {}
+        self.moved_dtypes: dict[tuple[str, int], str] = {}
 
     # ------------------------------------------------------------------ per-node terms
     def state_bytes(self, node: GraphNode, strategy: Strategy) -> int:
@@ -98,12 +104,23 @@ class MemoryModel:
             return 0
         return node.outputs[0].bytes // shard_count(strategy.outputs[0], self.mesh_shape)
 
-    def saved_bytes(self, node: GraphNode, strategy: Strategy) -> int:
-        """Bytes this op keeps for backward, per device (outputs by their shards, the rest by the shard factor)."""
+    def saved_bytes(self, node: GraphNode, strategy: Strategy, moved_inputs: frozenset[int] = frozenset()) -> int:
+        """Bytes this op keeps for backward, per device (outputs by their shards, the rest by the shard factor).
+
+        Under mixed precision the compute-dtype copies of inputs the op casts on entry are counted at
+        the placement the op reads each input in, except those of ``moved_inputs``: inputs that reach it
+        redistributed, whose copy (moved in the compute dtype, shared by its readers) is counted where
+        it is made (``saved_after_redistribution``, ``gathered_bytes``)."""
         if node.kind != "op" or not node.saved_bytes or not self.train:
             return 0
         saved = int(node.saved_bytes * self.activation_scale)
-        out_part, left = 0, saved
+        casts = self.saved_casts.get(node.id)
+        cast_part = 0
+        if casts and sum(casts.values()) <= saved:
+            saved -= sum(casts.values())
+            cast_part = sum(int(b * self.activation_scale) // shard_count(strategy.inputs[k], self.mesh_shape)
+                            for k, b in casts.items() if k not in moved_inputs and k < len(strategy.inputs))
+        out_part, left = cast_part, saved
         for o, meta in enumerate(node.outputs):
             b = min(left, meta.bytes)
             if b <= 0:
@@ -129,13 +146,17 @@ class MemoryModel:
         return 2 * self.grad_bytes(node, strategy)
 
     def gathered_bytes(self, consumer: GraphNode, param: GraphNode, stored: tuple[str, ...],
-                       needed: tuple[str, ...]) -> int:
-        """Bytes of a parameter copy redistributed for ``consumer`` and saved for its backward."""
+                       needed: tuple[str, ...], arg: int = -1) -> int:
+        """Bytes of a parameter copy redistributed for ``consumer`` (its input ``arg``) and saved for its
+        backward: in the dtype the consumer computes with (its entry cast under mixed precision)."""
         if not self.train or param.kind != "param" or stored == needed:
             return 0
         if consumer.labels is not None and consumer.labels.rule == "embedding":
             return 0
-        return param.outputs[0].bytes // shard_count(needed, self.mesh_shape)
+        nbytes = param.outputs[0].bytes
+        if arg in self.saved_casts.get(consumer.id, {}):
+            nbytes = self.saved_casts[consumer.id][arg]
+        return nbytes // shard_count(needed, self.mesh_shape)
 
     # ------------------------------------------------------------------ the peak of a full assignment
     def peak(self, nodes: list[GraphNode], chosen: dict[str, Strategy]) -> tuple[int, int, int, int]:
@@ -163,7 +184,7 @@ class MemoryModel:
             return chosen[src.id].outputs[o]
 
         state = sum(self.state_bytes(n, chosen[n.id]) for n in nodes if n.id in chosen)
-        moved, direct = redistributed_saves(nodes, chosen) if exact else ({}, set())
+        moved, direct = redistributed_saves(nodes, chosen, self.moved_dtypes) if exact else ({}, set())
         cum, best, best_t = 0, 0, 0
         last_t = 0
         bwd_extra = 0
@@ -172,11 +193,12 @@ class MemoryModel:
                 continue
             s = chosen[n.id]
             last_t = t
-            cum += self.saved_after_redistribution(n, s, moved, direct)
+            cum += self.saved_after_redistribution(n, s, moved, direct,
+                                                   input_placements(n, by_id, chosen, owner_pl) if exact else None)
             for k, ref in enumerate(n.inputs):
                 src = by_id.get(split_ref(ref)[0])
                 if src is not None and src.kind == "param" and k < len(s.inputs):
-                    cum += self.gathered_bytes(n, src, owner_pl(src), s.inputs[k])
+                    cum += self.gathered_bytes(n, src, owner_pl(src), s.inputs[k], k)
             bwd_extra = max(bwd_extra, self.backward_extra_bytes(n, s))
             live = cum + self.transient_bytes(n, s)
             if live >= best:
@@ -197,9 +219,14 @@ class MemoryModel:
                 best, best_t, phase = opt, last_t, "optimizer"
         return state + best, state, best, best_t, phase
 
-    def saved_after_redistribution(self, n: GraphNode, s: Strategy, moved: dict, direct: set) -> int:
-        """saved_bytes, with outputs that only reach matmul-like consumers by redistribution saved at their placement."""
-        base = self.saved_bytes(n, s)
+    def saved_after_redistribution(self, n: GraphNode, s: Strategy, moved: dict, direct: set,
+                                   input_placements: list | None = None) -> int:
+        """saved_bytes, with outputs that only reach matmul-like consumers by redistribution saved at
+        their placement (in the dtype they move in). ``input_placements``: where each input of ``n`` is
+        produced (inputs that reach ``n`` redistributed are counted where they are made)."""
+        moved_inputs = frozenset(k for k, pl in enumerate(input_placements or ())
+                                 if pl is not None and k < len(s.inputs) and pl != s.inputs[k])
+        base = self.saved_bytes(n, s, moved_inputs)
         if n.kind != "op" or not self.train:
             return base
         for o, meta in enumerate(n.outputs):
@@ -210,8 +237,9 @@ class MemoryModel:
             # it (a view: the storage's producer saves it, at its own placement, for its own backward)
             at_src = min(int((n.saved_bytes or 0) * self.activation_scale), meta.bytes) \
                 // shard_count(s.outputs[o], self.mesh_shape)
-            copies = sum(retained_bytes(s.outputs[o], pl, int(meta.bytes * self.activation_scale), self.mesh_shape,
-                                        self.all_to_all) for pl in moved[key])
+            copies = sum(retained_bytes(s.outputs[o], pl, int(bytes_as(meta.bytes, meta.dtype, dtype)
+                                                              * self.activation_scale),
+                                        self.mesh_shape, self.all_to_all) for pl, dtype in moved[key])
             base += copies - (0 if key in direct else at_src)
         return base
 
@@ -250,6 +278,21 @@ class MemoryModel:
         return self.optimizer_extra * largest // self._largest_param
 
     # ------------------------------------------------------------------ what the unsharded run says
+    def _set_casts(self, nodes: list[GraphNode]) -> None:
+        """``saved_casts`` and ``moved_dtypes`` of a mixed-precision graph (casts.py): an op that keeps
+        its inputs for backward keeps the compute-dtype copies of the ones it casts (those of two or
+        more dimensions: activations and weights, not biases)."""
+        by_id = {n.id: n for n in nodes}
+        casts = entry_casts(nodes)
+        self.moved_dtypes = casts
+        self.saved_casts = {}
+        for (node_id, k), dtype in casts.items():
+            n = by_id[node_id]
+            src_id, o = split_ref(n.inputs[k])
+            meta = by_id[src_id].outputs[o]
+            if _saves_inputs(n) and len(meta.shape) >= 2:
+                self.saved_casts.setdefault(node_id, {})[k] = bytes_as(meta.bytes, meta.dtype, dtype)
+
     def calibrate(self, nodes: list[GraphNode], replicated: dict[str, Strategy], measured_peak: int,
                   memory: Mapping | None = None) -> None:
         """Take the backward-start and optimizer extras from the graph's memory section (module doc).
@@ -259,6 +302,7 @@ class MemoryModel:
         self.activation_scale = 1.0
         self.optimizer_extra = 0
         self.backward_extras = {}
+        self._set_casts(nodes)
         memory = dict(memory or {})
         phases = memory.get("phases") or {}
         if not self.train:
@@ -285,11 +329,25 @@ class MemoryModel:
             self.optimizer_extra = max(0, optimizer_peak - state - grads)
 
 
-def redistributed_saves(nodes: list[GraphNode],
-                        chosen: Mapping[str, Strategy]) -> tuple[dict[str, dict[tuple, str]], set[str]]:
+def input_placements(n: GraphNode, by_id: Mapping[str, GraphNode], chosen: Mapping[str, Strategy],
+                     owner_pl) -> list:
+    """Where each input of ``n`` is produced (``owner_pl(src, o)``), None for inputs without a plan."""
+    out = []
+    for ref in n.inputs:
+        src_id, o = split_ref(ref)
+        src = by_id.get(src_id)
+        known = src is not None and (src.tied_to or src_id) in chosen and src.kind in ("op", "param", "input")
+        out.append(owner_pl(src, o) if known else None)
+    return out
+
+
+def redistributed_saves(nodes: list[GraphNode], chosen: Mapping[str, Strategy],
+                        moved_dtypes: Mapping[tuple[str, int], str] | None = None,
+                        ) -> tuple[dict[str, dict[tuple, str]], set[str]]:
     """Activations a matmul-like consumer saves after a redistribution: (producer ref "id#o" ->
-    {placement it is saved at: the first consumer, in forward order, that saves it there}, producer
-    refs some consumer also takes directly)."""
+    {(placement it is saved at, dtype it moves in or None): the first consumer, in forward order, that
+    saves it there}, producer refs some consumer also takes directly)."""
+    moved_dtypes = moved_dtypes or {}
     by_id = {n.id: n for n in nodes}
     moved: dict[str, dict[tuple, str]] = {}
     direct: set[str] = set()
@@ -306,7 +364,7 @@ def redistributed_saves(nodes: list[GraphNode],
             if chosen[src_id].outputs[o] == s.inputs[k]:
                 direct.add(key)
             elif _saves_inputs(n):
-                moved.setdefault(key, {}).setdefault(s.inputs[k], n.id)
+                moved.setdefault(key, {}).setdefault((s.inputs[k], moved_dtypes.get((n.id, k))), n.id)
     return moved, direct
 
 

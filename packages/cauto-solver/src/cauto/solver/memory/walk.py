@@ -37,8 +37,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cauto.plan import split_ref
+from cauto.plan.precision import bytes_as
 from cauto.solver.cost.reshard import backward_target, retained_bytes, staging_copies
-from cauto.solver.memory.model import MemoryModel, redistributed_saves
+from cauto.solver.memory.model import MemoryModel, input_placements, redistributed_saves
 from cauto.solver.strategies.node import Strategy, shard_count
 
 
@@ -49,7 +50,7 @@ def predicted_points(memory: MemoryModel, nodes: list, chosen: dict[str, Strateg
     ops = [n for n in nodes if n.kind == "op" and n.id in chosen]
     walk = _Walk(memory, chosen, {n.id: n for n in nodes}, ops, {n.id: i for i, n in enumerate(ops)})
     state = memory.predict(nodes, chosen)[1]
-    moved, direct = redistributed_saves(nodes, chosen)
+    moved, direct = redistributed_saves(nodes, chosen, memory.moved_dtypes)
     saved = _saved_bytes(walk, moved, direct)
     nesting = _nesting(walk, regions, saved)
     points = _forward_points(walk, nesting, saved, state)
@@ -105,11 +106,12 @@ def _saved_bytes(walk: _Walk, moved: dict, direct: set) -> dict[str, int]:
     saved: dict[str, int] = {}
     for n in walk.ops:
         s = chosen[n.id]
-        b = memory.saved_after_redistribution(n, s, moved, direct)
+        b = memory.saved_after_redistribution(n, s, moved, direct,
+                                              input_placements(n, by_id, chosen, walk.owner_pl))
         for k, ref in enumerate(n.inputs):
             src = by_id.get(split_ref(ref)[0])
             if src is not None and src.kind == "param" and k < len(s.inputs):
-                b += memory.gathered_bytes(n, src, walk.owner_pl(src), s.inputs[k])
+                b += memory.gathered_bytes(n, src, walk.owner_pl(src), s.inputs[k], k)
         saved[n.id] = b
     return saved
 
@@ -122,8 +124,9 @@ def _copies_freed_by(walk: _Walk, moved: dict) -> dict[str, int]:
     for key, firsts in moved.items():
         src_id, o = split_ref(key)
         src = walk.by_id[src_id]
-        for pl, consumer in firsts.items():
-            b = retained_bytes(walk.owner_pl(src, o), pl, int(src.outputs[o].bytes * memory.activation_scale),
+        for (pl, dtype), consumer in firsts.items():
+            nbytes = bytes_as(src.outputs[o].bytes, src.outputs[o].dtype, dtype)
+            b = retained_bytes(walk.owner_pl(src, o), pl, int(nbytes * memory.activation_scale),
                                memory.mesh_shape, memory.all_to_all)
             copy_freed_by[consumer] = copy_freed_by.get(consumer, 0) + b
     return copy_freed_by

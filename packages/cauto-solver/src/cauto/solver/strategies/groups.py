@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cauto.plan import GraphDocument, GraphNode, split_ref
+from cauto.plan.precision import bytes_as
 from cauto.solver.cost.model import CostModel
 from cauto.solver.memory.model import MemoryModel
 from cauto.solver.strategies.node import Strategy, op_strategies, placeholder_strategies
@@ -310,8 +311,10 @@ class _ProblemBuilder:
         src, o = split_ref(ref)
         pv, pidx = self.p.node_map[src]
         src_pls = tuple(self.strategies[src][i].outputs[o] for i in pidx)
-        m = self.cost.edge_matrix(src_pls, tuple(self.strategies[n.id]), k, self.by_id[src].outputs[o].bytes,
-                                  self.rg[src], self.fan[f"{src}#{o}"])
+        meta = self.by_id[src].outputs[o]
+        dtype = self.memory.moved_dtypes.get((n.id, k))
+        m = self.cost.edge_matrix(src_pls, tuple(self.strategies[n.id]), k, meta.bytes, self.rg[src],
+                                  self.fan[f"{src}#{o}"], None if dtype is None else bytes_as(meta.bytes, meta.dtype, dtype))
         return pv, pidx, m
 
     def _gathered(self, n: GraphNode, k: int, ref: str, cols: np.ndarray) -> tuple[int, np.ndarray] | None:
@@ -324,10 +327,10 @@ class _ProblemBuilder:
         owner = strategies[src.tied_to or src.id]
         # strategy lists are shared by identical nodes (enumerate_strategies), so their ids key the cache
         key = (id(strategies[n.id]), k, id(owner), src.outputs[0].bytes, n.labels and n.labels.rule,
-               pidx.tobytes(), cols.tobytes())
+               pidx.tobytes(), cols.tobytes(), self.memory.saved_casts.get(n.id, {}).get(k))
         mem = self.gathered_cache.get(key)
         if mem is None:
-            mem = np.array([[self.memory.gathered_bytes(n, src, owner[i].outputs[0], strategies[n.id][j].inputs[k])
+            mem = np.array([[self.memory.gathered_bytes(n, src, owner[i].outputs[0], strategies[n.id][j].inputs[k], k)
                              for j in cols] for i in pidx], dtype=float)
             self.gathered_cache[key] = mem
         return (pv, mem) if mem.any() else None
