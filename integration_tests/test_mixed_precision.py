@@ -86,3 +86,28 @@ def test_a_graph_profiled_without_autocast_is_not_planned_as_bf16():
     with pytest.raises(SolverError, match="--autocast bf16"):
         check_profiled_precision({"settings": {"autocast": None}}, PlanOptions(mixed_precision="bf16"))
     check_profiled_precision({"settings": {"autocast": "bf16"}}, PlanOptions(mixed_precision="bf16"))
+
+
+def test_bf16_plan_moves_the_inputs_of_lowered_ops_in_bf16_and_reduces_their_gradients_in_fp32():
+    """An edge into an op autocast runs in bf16 (a linear reading a layer norm's fp32 output, or a
+    gathered weight) moves half the bytes forward (cast, then moved: cauto.plan.precision); its backward
+    collective reduces the fp32 gradient, twice the forward's bytes. Other edges move their own dtype."""
+    from cauto.api.autoparallel import profiled_autocast
+    from cauto.plan.options import PlanOptions
+    from cauto.profiler import profile
+
+    doc = bench_mixed_precision.bf16_plan("gpt", "4")
+    graph = profile(bench_mixed_precision.MODELS["gpt"], autocast=profiled_autocast(PlanOptions(mixed_precision="bf16")))
+    nodes = {n["id"]: n for n in graph.to_graph()["nodes"]}
+    backward = [c for c in doc["predictions"]["collectives"] if c["phase"] == "backward"]
+    lowered = 0
+    for edge in doc["edges"]:
+        if not edge["collectives"]:
+            continue  # a value moved once per placement and dtype: later readers reuse the copy
+        src, dst = nodes[edge["src"]]["outputs"][0], nodes[edge["dst"]]["outputs"]
+        if src["dtype"] == "float32" and src["shape"] and all(o["dtype"] == "bfloat16" for o in dst):
+            lowered += 1
+            where = edge["collectives"][0]["where"]
+            back = [c["bytes"] for c in backward if c["where"] == where]
+            assert back and all(2 * c["bytes"] == b for c in edge["collectives"] for b in back), (edge, back)
+    assert lowered > 0, "the bf16 GPT plan at 60% of its peak redistributes fp32 inputs of linears"

@@ -25,6 +25,9 @@ Mixed precision (plan ``execution.mixed_precision``): the program is traced unde
 ``torch.autocast(device, compute_dtype)``, so the casts autocast would make in eager are explicit
 ``_to_copy`` lines of the forward graph (fp32 parameters in, bf16 copies into matmuls), and their
 backward casts the gradients back to the parameters' fp32; the graphs then run without autocast.
+Where such an op's fp32 input is redistributed (an all-gathered parameter or activation), the program
+(execute.py) casts the shard first and moves bf16 (``redistribute(forward_dtype=bf16)``, cauto.plan.precision):
+half the bytes, one bf16 copy shared by the op's readers; the gradient's collective runs in fp32.
 Autocast, the plan's and any the caller has entered around the call, is part of the trace key: an
 fp32 and a bf16 lowering never share an entry.
 
