@@ -36,7 +36,14 @@ from torch.fx.graph_module import _forward_from_src
 
 from cauto.plan import PlanDocument
 from cauto.plan.precision import bytes_as, cast_on_entry, common_cast
-from cauto.profiler.capture import SKIPPED_TARGETS, Capture, output_tensors, tensor_bytes, tensor_inputs
+from cauto.profiler.capture import (
+    SKIPPED_TARGETS,
+    Capture,
+    dtype_name,
+    output_tensors,
+    tensor_bytes,
+    tensor_inputs,
+)
 from cauto.runtime import ops
 from cauto.runtime.collectives import describe
 from cauto.runtime.propagate import Propagation
@@ -78,11 +85,7 @@ def _nbytes(node: torch.fx.Node, moved_in: torch.dtype | None = None) -> int:
     tensors = output_tensors(node)
     if not tensors:
         return 0
-    return bytes_as(tensor_bytes(tensors[0]), _dtype_name(tensors[0].dtype), _dtype_name(moved_in))
-
-
-def _dtype_name(dtype: torch.dtype | None) -> str | None:
-    return None if dtype is None else str(dtype).removeprefix("torch.")
+    return bytes_as(tensor_bytes(tensors[0]), dtype_name(tensors[0].dtype), moved_in and dtype_name(moved_in))
 
 
 def entry_cast(value: torch.fx.Node, consumer: torch.fx.Node) -> torch.dtype | None:
@@ -90,12 +93,12 @@ def entry_cast(value: torch.fx.Node, consumer: torch.fx.Node) -> torch.dtype | N
     tensors, outs = output_tensors(value), output_tensors(consumer)
     if not tensors or not outs:
         return None
-    cast = cast_on_entry(_dtype_name(tensors[0].dtype), tensors[0].dim(), [_dtype_name(t.dtype) for t in outs])
+    cast = cast_on_entry(dtype_name(tensors[0].dtype), tensors[0].dim(), [dtype_name(t.dtype) for t in outs])
     return None if cast is None else getattr(torch, cast)
 
 
 def _in(cast: torch.dtype | None) -> str:
-    return "" if cast is None else f", moved in {_dtype_name(cast)}"
+    return "" if cast is None else f", moved in {dtype_name(cast)}"
 
 
 def _fix_devices(node: torch.fx.Node, device: torch.device) -> None:

@@ -33,7 +33,6 @@ from cauto.plan.versioning import format_version
 from cauto.solver.cluster import ClusterSpec
 from cauto.solver.cost.model import CostModel
 from cauto.solver.cost.reshard import Collective, backward_target, is_partial, reshard
-from cauto.solver.memory.casts import entry_casts
 from cauto.solver.memory.model import MemoryModel
 from cauto.solver.memory.walk import predicted_peak_bytes
 from cauto.solver.strategies.groups import tensor_requires_grad
@@ -53,7 +52,7 @@ def sharding_section(g: GraphDocument, cluster: ClusterSpec, chosen: Mapping[str
     nodes = [n for n in g.nodes if n.kind != "output"]
     rg = tensor_requires_grad(nodes, cost.train)
     plan_nodes, params, compute = placements(nodes, chosen, cost)
-    edges, fwd, bwd, arriving = redistributions(g, nodes, chosen, cost, rg)
+    edges, fwd, bwd, arriving = redistributions(g, nodes, chosen, cost, rg, memory.moved_dtypes)
     grad_sync, reductions, reduced = gradient_reductions(g, chosen, cost, arriving)
     bwd += reductions + total_weight_collectives(nodes, chosen, cost, rg)
     fwd += loss_collectives(g, chosen, cost)
@@ -107,16 +106,17 @@ def placements(nodes: list[GraphNode], chosen: Mapping[str, Strategy],
 
 
 def redistributions(g: GraphDocument, nodes: list[GraphNode], chosen: Mapping[str, Strategy], cost: CostModel,
-                    rg: Mapping[str, bool]) -> tuple[list, list, list, dict[str, dict[tuple, int]]]:
+                    rg: Mapping[str, bool], moved_dtypes: Mapping[tuple[str, int], str]
+                    ) -> tuple[list, list, list, dict[str, dict[tuple, int]]]:
     """(``edges``, their forward collectives, their backward collectives, gradients arriving without
-    an edge: value ref (a parameter: its owner's id) -> {gradient placement: bytes})."""
+    an edge: value ref (a parameter: its owner's id) -> {gradient placement: bytes}). ``moved_dtypes``:
+    inputs moved in the dtype their consumer casts them to (mixed precision, memory/casts.py)."""
     by_id = g.node_map()
     mesh = tuple(cost.mesh_shape)
     edges, fwd, bwd = [], [], []
     #: (value ref, placement) already redistributed: later consumers reuse it (runtime execute.py)
     redistributed: set[tuple[str, tuple, str | None]] = set()
     arriving: dict[str, dict[tuple, int]] = {}
-    casts = entry_casts(nodes)  # mixed precision: inputs moved in the dtype their consumer casts them to
     for n in nodes:
         s = chosen[n.id]
         for k, ref in enumerate(n.inputs):
@@ -127,7 +127,7 @@ def redistributions(g: GraphDocument, nodes: list[GraphNode], chosen: Mapping[st
             needs_grad = rg[src_id]
             if src_pl != dst_pl:
                 where = f"{src_id}->{n.id}:{k}"
-                dtype = casts.get((n.id, k))
+                dtype = moved_dtypes.get((n.id, k))
                 if (ref, dst_pl, dtype) in redistributed:  # the runtime moves a value once per placement and dtype
                     f_c = b_c = ()
                 else:
