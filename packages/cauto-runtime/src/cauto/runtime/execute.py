@@ -97,6 +97,15 @@ def entry_cast(value: torch.fx.Node, consumer: torch.fx.Node) -> torch.dtype | N
     return None if cast is None else getattr(torch, cast)
 
 
+def _moving(value: torch.fx.Node, mesh_node: torch.fx.Node, placements: str, cast: torch.dtype | None,
+            rw: _Rewrite) -> tuple:
+    """Arguments of ``ops.redistribute``: the dtypes only where the value moves cast (an fp32 program's
+    lines stay ``redistribute(value, mesh, placements)``, which chunks/fetch.py rewrites)."""
+    if cast is None:
+        return (value, mesh_node, placements)
+    return (value, mesh_node, placements, cast, rw.backward_dtype)
+
+
 def _in(cast: torch.dtype | None) -> str:
     return "" if cast is None else f", moved in {dtype_name(cast)}"
 
@@ -226,7 +235,7 @@ def _place_placeholder(rw: _Rewrite, cap: Capture, plan: PlanDocument, node: tor
     if stored != want and node.users:
         # moved in the compute dtype when every reader casts it on entry (cauto.plan.precision)
         cast = common_cast(entry_cast(node, u) for u in node.users for a in tensor_inputs(u) if a is node)
-        new = _insert(graph, mesh_node, False, ops.redistribute, (node, mesh_node, want, cast, rw.backward_dtype),
+        new = _insert(graph, mesh_node, False, ops.redistribute, _moving(node, mesh_node, want, cast, rw),
                       node, node.name, f"{kind} {target}: stored {describe(stored, want)}{_in(cast)}")
         node.replace_all_uses_with(new, delete_user_cb=lambda u, new=new: u is not new)
         placement[new] = want
@@ -299,7 +308,7 @@ def _inputs_as_planned(rw: _Rewrite, node: torch.fx.Node, tins: list[torch.fx.No
             kind = "edge" if (src_ref, node.name, k) in rw.planned_edges else "implicit"
             if key not in moved:
                 moved[key] = _insert(graph, node, True, ops.redistribute,
-                                     (value, mesh_node, wanted[k], cast, rw.backward_dtype), arg, node.name,
+                                     _moving(value, mesh_node, wanted[k], cast, rw), arg, node.name,
                                      f"{kind} {src_ref} -> {node.name}[{k}]: {describe(have, wanted[k])}{_in(cast)}")
                 placement[moved[key]] = wanted[k]
                 result.redistributions.append(Redistribution(src_ref, node.name, k, have, wanted[k],
