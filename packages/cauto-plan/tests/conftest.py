@@ -21,7 +21,7 @@ def sample_graph() -> dict:
          "labels": {"inputs": ["bn"], "outputs": [""], "reduce": "sum", "rule": "reduction"}},
     ]
     return {
-        "schema_version": "1.0", "kind": "graph", "fingerprint": graph_fingerprint(nodes),
+        "schema_version": format_version(CURRENT_VERSION["graph"]), "kind": "graph", "fingerprint": graph_fingerprint(nodes),
         "model": {"name": "tiny", "num_params": 32, "param_bytes": 128},
         "settings": {"train": True, "optimizer": "adamw", "dtype": "float32", "device": "cpu"},
         "device": {"name": "cpu", "peak_flops": 1e11, "memory_bandwidth_bytes_per_s": 1e10, "kernel_floor_s": 5e-6},

@@ -86,6 +86,8 @@ class GraphNode:
     target: str | None = None
     tied_to: str | None = None
     requires_grad: bool | None = None
+    #: in-kernel scratch of the node's backward, not shrunk by a sharding (graph 1.1; None: none measured)
+    bwd_workspace_bytes: int | None = None
     fwd_flops: float = 0.0
     bwd_flops: float = 0.0
     fwd_bytes: float = 0.0
@@ -114,7 +116,7 @@ class GraphNode:
             "id": self.id, "kind": self.kind, "op": self.op, "module": self.module,
             "inputs": list(self.inputs), "outputs": [o.to_dict() for o in self.outputs],
         }
-        for name in ("target", "tied_to", "requires_grad"):
+        for name in ("target", "tied_to", "requires_grad", "bwd_workspace_bytes"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         for name in _NODE_NUMBERS:

@@ -49,6 +49,8 @@ def build_graph_document(prof, *, max_timeline: int = 2000, validate: bool = Tru
             entry.update(fwd_flops=stats.fwd_flops, bwd_flops=stats.bwd_flops, fwd_bytes=stats.fwd_bytes,
                          bwd_bytes=stats.bwd_bytes, fwd_time_s=stats.fwd_time_s, bwd_time_s=stats.bwd_time_s,
                          saved_bytes=int(stats.saved_bytes), transient_bytes=int(stats.transient_bytes))
+            if stats.bwd_workspace_bytes:
+                entry["bwd_workspace_bytes"] = int(stats.bwd_workspace_bytes)
         node = fx_nodes.get(entry["id"])
         if entry["kind"] == "op" and node is not None:
             params = []

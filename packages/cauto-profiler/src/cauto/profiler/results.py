@@ -26,6 +26,7 @@ class NodeStats:
     bwd_time_s: float = 0.0
     saved_bytes: int = 0
     transient_bytes: int = 0
+    bwd_workspace_bytes: int = 0  #: in-kernel scratch of its backward (tracker.bwd_workspace)
     allocated_bytes: int = 0  #: bytes allocated while this node ran (all phases, all steps)
 
     def row(self) -> dict:

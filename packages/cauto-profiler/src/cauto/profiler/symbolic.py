@@ -518,5 +518,6 @@ def _node_stats(cap: Capture, tracker: Tracker, saved: dict[str, int], dm: Devic
         st.bwd_time_s = sum(dm.time(f, b, d) for f, b, d in st.bwd_kernels)
         st.saved_bytes = saved.get(st.id, 0)
         st.transient_bytes = tracker.transient.get(st.id, 0)
+        st.bwd_workspace_bytes = tracker.bwd_workspace.get(st.id, 0)
         st.allocated_bytes = tracker.node_alloc.get(st.id, 0)
     return nodes

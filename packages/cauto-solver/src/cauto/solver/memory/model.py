@@ -137,9 +137,24 @@ class MemoryModel:
         return int(node.transient_bytes * self.activation_scale) // strategy.shard_factor
 
     def backward_extra_bytes(self, node: GraphNode, strategy: Strategy) -> int:
-        """What the backward of ``node`` adds to everything saved (module doc), per device."""
+        """What the backward of ``node`` adds to everything saved (module doc), per device: the calibrated
+        extra divided by the node's shard factor, except the part that is its kernel's in-call scratch
+        (``backward_workspace_bytes``), which a sharding does not shrink."""
         extra = self.backward_extras.get(node.id, 0) if self.train else 0
-        return extra // max(1, strategy.shard_factor)
+        scratch = min(extra, self.backward_workspace_bytes(node))
+        return (extra - scratch) // max(1, strategy.shard_factor) + scratch
+
+    def backward_extra_beside_workspace(self, node: GraphNode, strategy: Strategy) -> int:
+        """``backward_extra_bytes`` less the kernel's scratch (walk.py counts the scratch itself)."""
+        extra = self.backward_extras.get(node.id, 0) if self.train else 0
+        return (extra - min(extra, self.backward_workspace_bytes(node))) // max(1, strategy.shard_factor)
+
+    def backward_workspace_bytes(self, node: GraphNode) -> int:
+        """The in-call scratch of the node's backward kernel (graph ``bwd_workspace_bytes``), per device at
+        any sharding: measured kernels (oneDNN's convolutions, bf16 matmuls) allocate scratch whose size
+        follows their algorithm choice, not the batch (a bf16 convolution's backward: 559 KB at batch 1,
+        583 KB at batch 4), so it is counted whole."""
+        return int(node.bwd_workspace_bytes or 0) if self.train else 0
 
     def grad_end_bound(self, node: GraphNode, strategy: Strategy) -> int:
         """ILP bound of a parameter's gradient bytes at the end of backward: computed + synchronized copy."""

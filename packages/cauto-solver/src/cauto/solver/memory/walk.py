@@ -279,9 +279,10 @@ def _backward_points(walk: _Walk, nesting: _Nesting, saved: dict[str, int], stat
                     staged = max(staged, grad * staging_copies(s.input_grads[k], target, memory.mesh_shape),
                                  walk.dev_bytes(src, o, target))
         grads += pending[t]
-        here = state + live + grads + out_grads + in_grads + memory.transient_bytes(n, s)
+        scratch = max(memory.transient_bytes(n, s), memory.backward_workspace_bytes(n))
+        here = state + live + grads + out_grads + in_grads + scratch
         if not members:  # at least what the calibrated model says (model.py: all saved + n's backward extra)
-            here = max(here, state + saved_upto[None][-1] + memory.backward_extra_bytes(n, s))
+            here = max(here, state + saved_upto[None][-1] + memory.backward_extra_beside_workspace(n, s))
         points.append(("backward", n.id, here))
         if staged:  # after n's backward freed its saved tensors and its outputs' gradients
             points.append(("backward", n.id, state + live - saved[n.id] - copy_freed_by.get(n.id, 0) + grads + in_grads
