@@ -17,7 +17,7 @@ ranks: cauto's fp32 plan and bf16 plan (each solved without a budget for its own
 reduce_dtype=fp32)``. Median step time over the rounds after a warm-up, peak by one measure
 (bench_gpt_plans.peak_bytes).
 
-    python tools/bench/bench_mixed_precision.py [--steps 20] [--models gpt,gpt2,vit] [--meshes 4,2x2] [--json OUT]
+    python tools/bench/bench_mixed_precision.py [--steps 20] [--models gpt,gpt2,vit] [--meshes 4,2x2] [--reduce-dtype bf16] [--json OUT]
     python tools/bench/bench_mixed_precision.py --speed [--rounds 5]
 """
 
@@ -68,7 +68,8 @@ def speed_gpt():
 MODELS = {"gpt": gpt, "gpt2": gpt2, "vit": vit, "speed_gpt": speed_gpt}
 
 
-def bf16_plan(name: str, mesh: str, fraction: float | None = 0.6, mixed_precision: str = "bf16") -> dict:
+def bf16_plan(name: str, mesh: str, fraction: float | None = 0.6, mixed_precision: str = "bf16",
+              reduce_dtype: str = "fp32") -> dict:
     """A plan of model ``name`` on ``mesh`` under ``fraction`` of its unsharded peak (None: no budget)."""
     from cauto.api.autoparallel import profiled_autocast
     from cauto.plan.options import PlanOptions
@@ -81,7 +82,7 @@ def bf16_plan(name: str, mesh: str, fraction: float | None = 0.6, mixed_precisio
     budget = None if fraction is None else int(prof.peak_bytes * fraction)
     shape = MESHES[mesh]
     return plan(prof.to_graph(), cluster_for_mesh("cpu-gloo", shape, ("dp", "tp")[: len(shape)]),
-                PlanOptions(mixed_precision=mixed_precision, memory_budget_bytes=budget))
+                PlanOptions(mixed_precision=mixed_precision, memory_budget_bytes=budget, reduce_dtype=reduce_dtype))
 
 
 def _full(t):
@@ -161,6 +162,7 @@ def parity_job(job: dict) -> dict:
     out["collectives"] = {ph: report[ph] for ph in ("forward", "backward")}
     out["collectives_equal"] = all(report[ph]["predicted"] == report[ph]["executed"] for ph in ("forward", "backward"))
     out["grad_sync"] = report["grad_sync"]
+    out["grad_sync_bytes_equal"] = report["grad_sync"]["predicted_bytes"] == report["grad_sync"]["executed_bytes"]
     out["step_s"] = statistics.median(times[2:]) if len(times) > 2 else times[-1]
     return out
 
@@ -253,11 +255,13 @@ def run_jobs(jobs: list[dict], timeout_s: float) -> dict:
 
 
 def parity(models: list[str], meshes: list[str], steps: int, mixed_precision: str = "bf16",
-           timeout_s: float = 1800.0) -> dict:
+           timeout_s: float = 1800.0, reduce_dtype: str = "fp32") -> dict:
     """{model/mesh: parity_job's result} (module docstring); ``mixed_precision="none"``: the same for fp32
-    plans against eager fp32 (the peak error of the fp32 path, for comparison)."""
+    plans against eager fp32 (the peak error of the fp32 path, for comparison); ``reduce_dtype="bf16"``:
+    the bf16 plans' gradients reduced in bf16."""
     jobs = [{"name": f"{m}/{k}", "model": m, "steps": steps, "mixed_precision": mixed_precision,
-             "plan": bf16_plan(m, k, mixed_precision=mixed_precision)} for m in models for k in meshes]
+             "plan": bf16_plan(m, k, mixed_precision=mixed_precision, reduce_dtype=reduce_dtype)}
+            for m in models for k in meshes]
     return run_jobs(jobs, timeout_s)
 
 
@@ -279,6 +283,7 @@ def main() -> None:
     parser.add_argument("--models", default="gpt,gpt2,vit")
     parser.add_argument("--meshes", default="4,2x2")
     parser.add_argument("--mixed-precision", default="bf16", choices=["bf16", "none"])
+    parser.add_argument("--reduce-dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--speed", action="store_true")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", help="write the results here")
@@ -290,7 +295,8 @@ def main() -> None:
         for k in result["times"]:
             print(f"{k:12s} step {result['times'][k] * 1e3:8.1f} ms  peak {result['peaks'][k] / MiB:8.2f} MiB")
     else:
-        result = parity(args.models.split(","), args.meshes.split(","), args.steps, args.mixed_precision)
+        result = parity(args.models.split(","), args.meshes.split(","), args.steps, args.mixed_precision,
+                        reduce_dtype=args.reduce_dtype)
         for k, r in result.items():
             if "error" in r:
                 print(f"{k:10s} ERROR {r['error'].splitlines()[-1]}")
@@ -300,6 +306,7 @@ def main() -> None:
                   f"(fp32 vs autocast: {ref.get('loss_rel', float('nan')):.2e} / {ref.get('param_rel', float('nan')):.2e})"
                   f"  peak pred {r['peak_predicted'] / MiB:.3f} MiB worst |meas/pred-1| {r['peak_worst_rel']:.3f}"
                   f"  collectives {'equal' if r['collectives_equal'] else 'DIFF ' + json.dumps(r['collectives'])}"
+                  f"  grad sync {r['grad_sync']['executed_bytes']} B ({'as' if r['grad_sync_bytes_equal'] else 'NOT as'} planned)"
                   f"  dtypes {r['dtypes']} loss {r['loss_dtype']} bf16 casts {r['bf16_casts']}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

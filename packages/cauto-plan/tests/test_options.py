@@ -49,5 +49,5 @@ def test_mixed_precision_options():
         PlanOptions(mixed_precision="fp16")
     with pytest.raises(OptionsError, match="reduce dtype"):
         PlanOptions(reduce_dtype="bf16")
-    with pytest.raises(OptionsError, match="not implemented yet"):
-        PlanOptions(mixed_precision="bf16", reduce_dtype="bf16")
+    both = PlanOptions(mixed_precision="bf16", reduce_dtype="bf16")
+    assert both.to_dict()["reduce_dtype"] == "bf16" and both.to_dict() != PlanOptions(mixed_precision="bf16").to_dict()

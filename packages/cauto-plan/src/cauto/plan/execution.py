@@ -70,6 +70,15 @@ def mixed_precision_section(mixed_precision: str, reduce_dtype: str) -> dict | N
     return {"compute_dtype": DTYPE_NAMES[mixed_precision], "reduce_dtype": DTYPE_NAMES[reduce_dtype]}
 
 
+def lowered_reduce_dtype(execution: dict | None) -> str | None:
+    """The dtype name ("bfloat16") the plan reduces gradients in where mixed precision lowers it below the
+    parameters' fp32 (``execution.mixed_precision.reduce_dtype``), else None."""
+    mixed = (execution or {}).get("mixed_precision")
+    if mixed is None or mixed["reduce_dtype"] == "float32":
+        return None
+    return mixed["reduce_dtype"]
+
+
 def execution_section(mesh_ndim: int, offload: dict | None, edges: list, collectives: list[dict],
                       mixed_precision: dict | None = None) -> dict:
     """The plan's ``execution`` section from its other sections (module docstring)."""

@@ -49,8 +49,9 @@ class PlanOptions:
     ``execution.mixed_precision``). "fp16" is refused: it needs loss scaling, which cauto does not do."""
     reduce_dtype: ReduceDtype = "fp32"
     """dtype of the parameters' gradient reductions under mixed precision: "fp32" (as FSDP2's
-    ``MixedPrecisionPolicy(reduce_dtype=torch.float32)``); "bf16" (half the bytes) is refused until the
-    runtime casts its gradient buckets (the plan schema already names it). Needs mixed_precision."""
+    ``MixedPrecisionPolicy(reduce_dtype=torch.float32)``); "bf16": half the bytes, each gradient bucket
+    (and each gathered parameter's reduce-scatter) cast to bf16 before the collective and back to fp32
+    after it, as FSDP2's ``reduce_dtype=torch.bfloat16``. Needs mixed_precision."""
     solver: Solver = "cbc"
     """The ILP solver: "cbc" or "highs"."""
     time_limit_s: float = 60.0
@@ -85,9 +86,6 @@ class PlanOptions:
         if self.reduce_dtype != "fp32" and self.mixed_precision == "none":
             raise OptionsError(f"reduce dtype {self.reduce_dtype!r} is a mixed-precision choice: it needs mixed "
                                "precision 'bf16'")
-        if self.reduce_dtype == "bf16":
-            raise OptionsError("reduce dtype 'bf16' is not implemented yet (the runtime reduces the fp32 "
-                               "parameters' gradients in fp32); use reduce dtype 'fp32'")
         if self.solver not in SOLVERS:
             raise OptionsError(f"unknown solver {self.solver!r}; use one of {SOLVERS}")
         if isinstance(self.time_limit_s, bool) or not isinstance(self.time_limit_s, numbers.Real) \

@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from cauto.plan import PlanDocument, load_plan
+from cauto.plan.execution import lowered_reduce_dtype
 from cauto.plan.validate import check_plan_against_graph
 from cauto.profiler.capture import Capture, capture
 from cauto.runtime import execute, training_state
@@ -387,10 +388,11 @@ def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, 
     executable = execute.build(cap, plan, mesh, device, propagation)
     lowering = _lowering_for_regions(plan, lowering, compile)
     plain = lowering == "local" and _replicated_as_plain(model, mesh)
+    reduce = reduce_dtype(plan)
     lowered = LocalProgram(executable.module, mesh, compile=compile, plan_nodes=plan.nodes,
-                           autocast_dtype=compute) if lowering == "local" else None
+                           autocast_dtype=compute, reduce_dtype=reduce) if lowering == "local" else None
     module = ParallelModule(model, cap, plan, mesh, executable, bucket_bytes, lowered=lowered)
-    module.autocast_dtype = compute
+    module.autocast_dtype, module.grad_sync.reduce_dtype = compute, reduce
     if lowered is not None:
         try:
             lowered.prepare(module._state, [(tuple(n.meta["val"].shape), n.meta["val"].dtype)
@@ -405,7 +407,7 @@ def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, 
                           "(lowering='dtensor'), slower per step, the same computation", stacklevel=2)
             module.grad_sync.remove()
             module = ParallelModule(model, cap, plan, mesh, executable, bucket_bytes, lowered=None)
-            module.autocast_dtype = compute
+            module.autocast_dtype, module.grad_sync.reduce_dtype = compute, reduce
     module.optimizer = optimizer(module) if optimizer is not None else None
     return module
 
@@ -477,6 +479,13 @@ def compute_dtype(plan: PlanDocument | Mapping) -> torch.dtype | None:
     execution = plan.execution if isinstance(plan, PlanDocument) else plan.get("execution")
     mixed = (execution or {}).get("mixed_precision")
     return None if mixed is None else getattr(torch, mixed["compute_dtype"])
+
+
+def reduce_dtype(plan: PlanDocument | Mapping) -> torch.dtype | None:
+    """The dtype the plan reduces parameters' gradients in where it is not their own fp32
+    (``execution.mixed_precision.reduce_dtype`` bfloat16), else None."""
+    name = lowered_reduce_dtype(plan.execution if isinstance(plan, PlanDocument) else plan.get("execution"))
+    return None if name is None else getattr(torch, name)
 
 
 def _asks_a_value(exc: BaseException) -> bool:

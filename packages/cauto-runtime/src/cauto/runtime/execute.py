@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.fx.graph_module import _forward_from_src
 
 from cauto.plan import PlanDocument
+from cauto.plan.execution import lowered_reduce_dtype
 from cauto.plan.precision import bytes_as, cast_on_entry, common_cast
 from cauto.profiler.capture import (
     SKIPPED_TARGETS,
@@ -99,11 +100,14 @@ def entry_cast(value: torch.fx.Node, consumer: torch.fx.Node) -> torch.dtype | N
 
 def _moving(value: torch.fx.Node, mesh_node: torch.fx.Node, placements: str, cast: torch.dtype | None,
             rw: _Rewrite) -> tuple:
-    """Arguments of ``ops.redistribute``: the dtypes only where the value moves cast (an fp32 program's
-    lines stay ``redistribute(value, mesh, placements)``, which chunks/fetch.py rewrites)."""
-    if cast is None:
+    """Arguments of ``ops.redistribute``: the dtypes only where the value moves cast or its gradient is
+    reduced in the plan's reduce dtype (an fp32 program's lines stay ``redistribute(value, mesh,
+    placements)``, which chunks/fetch.py rewrites). The reduce dtype applies to the gradients of
+    parameters and of values moved cast (a gradient that arrives in the compute dtype anyway)."""
+    backward = rw.backward_dtype if cast is not None or value in rw.params else None
+    if cast is None and backward is None:
         return (value, mesh_node, placements)
-    return (value, mesh_node, placements, cast, rw.backward_dtype)
+    return (value, mesh_node, placements, cast, backward)
 
 
 def _in(cast: torch.dtype | None) -> str:
@@ -149,12 +153,12 @@ def build(cap: Capture, plan: PlanDocument, mesh: DeviceMesh, device: torch.devi
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     with graph.inserting_after(placeholders[-1]):
         mesh_node = graph.get_attr("mesh")
-    mixed = plan.execution.get("mixed_precision") or {}
-    reduce_dtype = mixed.get("reduce_dtype")
+    reduce_dtype = lowered_reduce_dtype(plan.execution)
     rw = _Rewrite(graph, mesh_node, plan.nodes, propagation, result, _join(["R"] * mesh.ndim),
                   planned_edges={(e["src"], e["dst"], e["arg"]) for e in plan.edges},
                   reduced=set(plan.execution["grad_reductions"]),
-                  backward_dtype=getattr(torch, reduce_dtype) if reduce_dtype and reduce_dtype != "float32" else None)
+                  backward_dtype=None if reduce_dtype is None else getattr(torch, reduce_dtype),
+                  params={n for n in placeholders if cap.placeholders[n.name][0] == "param"})
     for node in placeholders:
         _place_placeholder(rw, cap, plan, node)
     for node in list(graph.nodes):
@@ -207,8 +211,11 @@ class _Rewrite:
     wrapped: dict[torch.fx.Node, torch.fx.Node] = field(default_factory=dict)
     #: (value, placement, dtype it moves in or None) -> the redistributed value
     moved: dict[tuple[torch.fx.Node, str, torch.dtype | None], torch.fx.Node] = field(default_factory=dict)
-    #: the dtype gradients of values moved in a lower dtype are reduced in (None: the value's own)
+    #: the plan's reduce dtype where it is not fp32 (None: each gradient's own): the dtype the backward
+    #: collectives of parameters and of values moved in a lower dtype run in (``_moving``)
     backward_dtype: torch.dtype | None = None
+    #: the parameters' placeholders
+    params: set[torch.fx.Node] = field(default_factory=set)
 
     def planned(self, node_id: str, key: str) -> list[str]:
         entry = self.nodes_plan.get(node_id)

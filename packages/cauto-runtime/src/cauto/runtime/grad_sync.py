@@ -12,6 +12,10 @@ Bucketed: Partial(sum|avg) -> Replicate on any set of mesh axes (the data-parall
 Everything else (Partial -> Shard: a reduce-scatter; Partial(max)) is redistributed per parameter
 at the end of backward, which is correct but not bucketed.
 
+Mixed precision's bf16 reduction (``reduce_dtype``): a floating bucket of another dtype is cast to
+it before the all-reduce and back after, and the per-parameter fallback redistributes in it (DTensor's
+``backward_dtype`` analogue), as FSDP2's ``reduce_dtype``.
+
 Gradient accumulation: while ``sync`` is False (``ParallelModule.no_sync()``, read when the forward
 runs) the hooks leave every gradient as backward made it, this rank's unreduced sum (``pending``
 then says that such gradients are there); the next backward with ``sync`` on buckets and reduces the
@@ -42,11 +46,13 @@ class GradSync:
     """Hooks that synchronize the gradients of ``params`` on ``mesh`` after each backward."""
 
     def __init__(self, params: list[torch.nn.Parameter], mesh: DeviceMesh, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 plain_grad_placements: dict[int, tuple] | None = None):
+                 plain_grad_placements: dict[int, tuple] | None = None, reduce_dtype: torch.dtype | None = None):
         """``params``: DTensor parameters, and plain ones (replicated everywhere, the local program's)
         whose gradients arrive as local tensors with the placements ``plain_grad_placements[id(p)]``
         (read at each gradient: the local program fills it when it is traced)."""
         self.mesh = mesh
+        #: the dtype floating gradients are reduced in (None: their own; module docstring)
+        self.reduce_dtype = reduce_dtype
         self._plain = plain_grad_placements if plain_grad_placements is not None else {}
         #: buckets the local program's backward graph all-reduces itself (lowering.bucket_gradient_reductions),
         #: reported with this object's own after each backward
@@ -129,6 +135,8 @@ class GradSync:
     def _launch(self, key: tuple) -> None:
         bucket = self._open.pop(key)
         flat = torch.cat([_local(p.grad).reshape(-1) for p in bucket.params])
+        if self._moves_in(flat.dtype) != flat.dtype:
+            flat = flat.to(self.reduce_dtype)
         (axis, _), *_ = key[1]
         work = dist.all_reduce(flat, group=self.mesh.get_group(axis), async_op=True)
         self._inflight.append((key, bucket.params, flat, work))
@@ -151,6 +159,8 @@ class GradSync:
                 self.last_buckets.append(("all_reduce", axis, flat.numel() * flat.element_size()))
                 if op == "avg":
                     flat.div_(self.mesh.size(axis))
+            if flat.dtype != key[0]:  # reduced in reduce_dtype: back to the gradients' dtype
+                flat = flat.to(key[0])
             offset = 0
             for p in params:
                 local = _local(p.grad)
@@ -160,9 +170,15 @@ class GradSync:
                     view, self.mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
                 offset += n
         for p in self._fallback:
-            p.grad = p.grad.redistribute(self.mesh, p.placements)
+            moved = self._moves_in(p.grad.dtype)
+            p.grad = p.grad.redistribute(self.mesh, p.placements) if moved == p.grad.dtype else \
+                p.grad.to(moved).redistribute(self.mesh, p.placements).to(p.grad.dtype)
         self.last_overlapped, self._early = self._early, 0
         self._inflight, self._fallback, self._queued = [], [], False
+
+    def _moves_in(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a gradient of ``dtype`` is reduced in."""
+        return dtype if self.reduce_dtype is None or not dtype.is_floating_point else self.reduce_dtype
 
     def remove(self) -> None:
         """Remove the hooks (the parameters' gradients are then left as autograd makes them)."""

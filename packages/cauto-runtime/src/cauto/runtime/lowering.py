@@ -252,7 +252,8 @@ class _AsReplicated(torch.autograd.Function):
         return grad, None, None, None
 
 
-def bucket_gradient_reductions(gm: torch.fx.GraphModule, mesh: DeviceMesh, bucket_bytes: int) -> list[tuple]:
+def bucket_gradient_reductions(gm: torch.fx.GraphModule, mesh: DeviceMesh, bucket_bytes: int,
+                               reduce_dtype: torch.dtype | None = None) -> list[tuple]:
     """Group the backward graph's gradient all-reduces (an all-reduce whose waited result is only returned)
     into buckets of at most ``bucket_bytes``, in the order the gradients appear: each bucket is one
     in-place all-reduce of the gradients concatenated into one flat buffer, issued where its last
@@ -260,7 +261,10 @@ def bucket_gradient_reductions(gm: torch.fx.GraphModule, mesh: DeviceMesh, bucke
     backward computes; the reduced gradients are views of the buffer (no copy back, and no second
     buffer: the out-of-place functional all-reduce would clone it). The buffer lives as long as the
     gradients that view it: a buffer kept across steps (DDP's) would add its bytes to the peak that
-    the plan predicts. Returns the buckets as ``("all_reduce", mesh axis, bytes)``, in issue order."""
+    the plan predicts. ``reduce_dtype`` (mixed precision's bf16 reduction): a floating bucket of another
+    dtype is cast to it before the all-reduce and back after the wait (the concatenated buffer is freed
+    at the cast; the gradients view the cast-back buffer), as FSDP2's ``reduce_dtype``. Returns the
+    buckets as ``("all_reduce", mesh axis, bytes moved)``, in issue order."""
     import operator
 
     aten, funcol = torch.ops.aten, torch.ops._c10d_functional
@@ -299,19 +303,26 @@ def bucket_gradient_reductions(gm: torch.fx.GraphModule, mesh: DeviceMesh, bucke
             sizes = [ar.args[0].meta["val"].numel() for ar, _ in chunk]
             cursor = last
 
-            def add(target, args):
+            def add(target, args, kwargs=None):
                 nonlocal cursor
                 with gm.graph.inserting_after(cursor):
-                    cursor = gm.graph.call_function(target, args)
+                    cursor = gm.graph.call_function(target, args, kwargs)
                 return cursor
 
             flats = [add(aten.view.default, (ar.args[0], [-1])) for ar, _ in chunk]
             total = sum(sizes)
             cat = add(aten.cat.default, (flats,))
+            cat.meta["val"] = torch.empty(total, dtype=dtype, device="meta")
+            moved = dtype if reduce_dtype is None or not dtype.is_floating_point else reduce_dtype
+            if moved != dtype:
+                cat = add(aten._to_copy.default, (cat,), {"dtype": moved})
+                cat.meta["val"] = torch.empty(total, dtype=moved, device="meta")
             reduced = add(funcol.all_reduce_.default, (cat, op, group))
-            cat.meta["val"] = reduced.meta["val"] = torch.empty(total, dtype=dtype, device="meta")
+            reduced.meta["val"] = torch.empty(total, dtype=moved, device="meta")
             with gm.graph.inserting_before(output):
                 waited = gm.graph.call_function(funcol.wait_tensor.default, (reduced,))
+                if moved != dtype:
+                    waited = gm.graph.call_function(aten._to_copy.default, (waited,), {"dtype": dtype})
                 parts = gm.graph.call_function(aten.split_with_sizes.default, (waited, sizes))
                 for k, (_, wait) in enumerate(chunk):
                     piece = gm.graph.call_function(operator.getitem, (parts, k))
@@ -320,7 +331,7 @@ def bucket_gradient_reductions(gm: torch.fx.GraphModule, mesh: DeviceMesh, bucke
             for ar, wait in chunk:
                 gm.graph.erase_node(wait)
                 gm.graph.erase_node(ar)
-            buckets.append(("all_reduce", axis_of[group], total * torch.empty((), dtype=dtype).element_size()))
+            buckets.append(("all_reduce", axis_of[group], total * torch.empty((), dtype=moved).element_size()))
     gm.recompile()
     return buckets
 
@@ -336,10 +347,12 @@ class LocalProgram(torch.nn.Module):
 
     def __init__(self, program: torch.fx.GraphModule, mesh: DeviceMesh, *, compile: bool = False,
                  plain: set[int] | None = None, bucket_bytes: int = 25 * 2**20, plan_nodes: dict | None = None,
-                 autocast_dtype: torch.dtype | None = None):
+                 autocast_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None):
         super().__init__()
         #: the plan's mixed-precision compute dtype: the program is traced under autocast to it (None: off)
         self.autocast_dtype = autocast_dtype
+        #: the dtype the backward graph's gradient buckets are all-reduced in (None: the gradients' own)
+        self.reduce_dtype = reduce_dtype
         self.__dict__["program"] = program  # not a submodule: its parameters are the model's
         #: the plan's nodes (placements by program node name), for the message of a plan that cannot be lowered
         self.plan_nodes = plan_nodes
@@ -478,7 +491,8 @@ class LocalProgram(torch.nn.Module):
             def compiler(gm: torch.fx.GraphModule, example_inputs):
                 _drop_dead_ops(gm)
                 if kind == "backward" and not self.compile:  # (inductor buckets and reorders by itself)
-                    self._grad_buckets[reducing][:] = bucket_gradient_reductions(gm, self.mesh, self.bucket_bytes)
+                    self._grad_buckets[reducing][:] = bucket_gradient_reductions(gm, self.mesh, self.bucket_bytes,
+                                                                                      self.reduce_dtype)
                 records = annotate_collectives(gm, self.mesh)
                 if shown or kind == "inference":
                     self.collectives[kind] = records

@@ -41,7 +41,11 @@ def redistribute(x: DTensor, mesh: DeviceMesh, placements: str, forward_dtype: t
         return x
     if x.requires_grad and not x._local_tensor.is_contiguous():
         x = _GradLayoutOfInput.apply(x)
-    if forward_dtype is None or forward_dtype == x.dtype:
+    if forward_dtype == x.dtype:
+        forward_dtype = None
+    if backward_dtype == x.dtype:
+        backward_dtype = None
+    if forward_dtype is None and backward_dtype is None:
         return x.redistribute(mesh, target)
     return x.redistribute(mesh, target, forward_dtype=forward_dtype, backward_dtype=backward_dtype)
 

@@ -38,7 +38,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from cauto.plan import GraphDocument
-from cauto.plan.execution import mixed_precision_section
+from cauto.plan.execution import lowered_reduce_dtype, mixed_precision_section
 from cauto.plan.mesh_axes import data_parallel_axes
 from cauto.plan.options import CHECKPOINT_METHODS, OptionsError, PlanOptions
 from cauto.solver.cluster import ClusterSpec
@@ -110,7 +110,8 @@ def _plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options: PlanOpt
                 raise min(on_device, with_chunks, key=lambda e: e.needed_bytes or float("inf")) from None
     if options.checkpoint == "none":
         return solve_sharding(graph, cluster, memory_budget=options.memory_budget_bytes, solver=options.solver,
-                              time_limit_s=options.time_limit_s, progress=progress)
+                              time_limit_s=options.time_limit_s, progress=progress,
+                              reduce_dtype=reduce_dtype_name(options))
     return _joint_plan(graph, cluster, options, progress)
 
 
@@ -128,11 +129,13 @@ def _joint_plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options: P
     if checkpoint == "auto":
         try:
             sharding = solve_sharding(graph_doc, cluster, memory_budget=budget, solver=solver,
-                                      time_limit_s=time_limit_s, progress=progress)
+                                      time_limit_s=time_limit_s, progress=progress,
+                                      reduce_dtype=reduce_dtype_name(options))
             ilp_only = replace(sharding, checkpoint=CheckpointSection(dict(ILP_ONLY_CHECKPOINT)))
         except InfeasibleBudgetError:
             pass
-    solve_sharding_at = ilp_sharding(graph_doc, cluster, solver=solver, time_limit_s=time_limit_s)
+    solve_sharding_at = ilp_sharding(graph_doc, cluster, solver=solver, time_limit_s=time_limit_s,
+                                     reduce_dtype=reduce_dtype_name(options))
     if progress is not None:
         solve_sharding_at = counted(solve_sharding_at, progress, joint_solves_at_most())
     result = joint_plan(graph_doc, budget, solve_sharding_at, device=device_dict(cluster),
@@ -167,6 +170,13 @@ def ilp_sharding(graph_doc: dict, cluster: ClusterSpec, **solve_kwargs) -> Solve
         return sharding_result_from_plan(plan)
 
     return solve_sharding
+
+
+def reduce_dtype_name(options: PlanOptions) -> str | None:
+    """The dtype name gradients are reduced in where the options lower it below fp32 ("bfloat16"), else
+    None (the plan's ``execution.mixed_precision``, read as the runtime reads it)."""
+    return lowered_reduce_dtype({"mixed_precision": mixed_precision_section(options.mixed_precision,
+                                                                            options.reduce_dtype)})
 
 
 def offload_axes_candidates(mesh_shape: tuple[int, ...]) -> list[tuple[int, ...]]:

@@ -134,8 +134,10 @@ def redistributions(g: GraphDocument, nodes: list[GraphNode], chosen: Mapping[st
                     redistributed.add((ref, dst_pl, dtype))
                     f_c = reshard(src_pl, dst_pl, bytes_as(nbytes, meta.dtype, dtype), mesh, cost.links,
                                   cost.overhead_s, cost.all_to_all)
-                    b_c = reshard(grad_pl, backward_target(grad_pl, src_pl), nbytes, mesh, cost.links,
-                                  cost.overhead_s, cost.all_to_all) if needs_grad else ()
+                    grad_nbytes = cost.reduced_grad_nbytes(by_id[src_id], o, dtype)
+                    b_c = reshard(grad_pl, backward_target(grad_pl, src_pl), nbytes if grad_nbytes is None
+                                  else grad_nbytes, mesh, cost.links, cost.overhead_s,
+                                  cost.all_to_all) if needs_grad else ()
                 fwd += collective_dicts(f_c, "forward", where)
                 bwd += collective_dicts(b_c, "backward", where)
                 edges.append({"src": src_id, "dst": n.id, "arg": k, "src_placements": list(src_pl),
@@ -143,7 +145,8 @@ def redistributions(g: GraphDocument, nodes: list[GraphNode], chosen: Mapping[st
                               "cost_s": sum(x.cost_s for x in f_c) + sum(x.cost_s for x in b_c)})
             elif needs_grad and grad_pl != src_pl and any(is_partial(p) for p in grad_pl):
                 owner = by_id[src_id].tied_to or src_id if by_id[src_id].kind == "param" else ref
-                arriving.setdefault(owner, {}).setdefault(grad_pl, nbytes)
+                grad_nbytes = cost.reduced_grad_nbytes(by_id[src_id], o, None)
+                arriving.setdefault(owner, {}).setdefault(grad_pl, nbytes if grad_nbytes is None else grad_nbytes)
     return edges, fwd, bwd, arriving
 
 

@@ -42,15 +42,16 @@ from cauto.solver.strategies.node import Strategy
 
 
 def build(graph: GraphDocument, cluster: ClusterSpec, *, follow: bool = True, share_layers: bool = True,
-          progress: ProgressFn | None = None, offload: OffloadModel | None = None):
+          progress: ProgressFn | None = None, offload: OffloadModel | None = None, reduce_dtype: str | None = None):
     """(strategies, cost model, memory model, problem) of a validated graph on a cluster.
 
     ``progress`` hears the phases "strategies" and "costs", node by node. With ``offload`` the cost
-    and memory models count replicated parameters as chunked (offload/)."""
+    and memory models count replicated parameters as chunked (offload/). ``reduce_dtype``: the dtype name
+    gradients are reduced in below their own (mixed precision's "bfloat16"; cost/model.py)."""
     mesh = tuple(cluster.mesh_shape)
     train = bool(graph.settings.get("train", True))
     strategies = enumerate_strategies(graph, mesh, tuple(cluster.axis_names), progress)
-    cost = CostModel(cluster, train)
+    cost = CostModel(cluster, train, reduce_dtype=reduce_dtype)
     memory = MemoryModel(mesh, graph.settings.get("optimizer", "adamw"), train, cluster.device.all_to_all)
     nodes = [n for n in graph.nodes if n.kind != "output"]
     replicated = {n.id: strategies[n.id][0] for n in nodes}
@@ -159,7 +160,7 @@ def _fit_prediction(g: GraphDocument, problem: Problem, memory: MemoryModel, res
 def solve_sharding(graph: GraphDocument | Mapping, cluster: ClusterSpec, *, memory_budget: int | None = None,
                    time_limit_s: float = 60.0, solver: str = "cbc", follow: bool = True, share_layers: bool = True,
                    timings: dict | None = None, progress: ProgressFn | None = None, offload: bool = False,
-                   offload_axes: tuple[int, ...] | None = None) -> PlanSections:
+                   offload_axes: tuple[int, ...] | None = None, reduce_dtype: str | None = None) -> PlanSections:
     """The sharding solve (``solve``'s arguments): the sharding section with its ``solver`` section and,
     with ``offload``, the offload model's section (document.py)."""
     start = time.perf_counter()
@@ -169,7 +170,7 @@ def solve_sharding(graph: GraphDocument | Mapping, cluster: ClusterSpec, *, memo
         raise SolverError("offload_axes names the axes chunked state is ZeRO-sharded over: it needs offload")
     chunks = OffloadModel.for_graph(g, cluster, budget, offload_axes) if offload else None
     strategies, cost, memory, problem = build(g, cluster, follow=follow, share_layers=share_layers,
-                                              progress=progress, offload=chunks)
+                                              progress=progress, offload=chunks, reduce_dtype=reduce_dtype)
     built = time.perf_counter()
     if progress is not None:
         progress("ilp", 0, 1)
@@ -234,7 +235,7 @@ def _least_memory_result(g: GraphDocument, cluster: ClusterSpec, problem: Proble
 def solve(graph: GraphDocument | Mapping, cluster: ClusterSpec, *, memory_budget: int | None = None,
           time_limit_s: float = 60.0, solver: str = "cbc", follow: bool = True, share_layers: bool = True,
           timings: dict | None = None, progress: ProgressFn | None = None, offload: bool = False,
-          offload_axes: tuple[int, ...] | None = None) -> dict:
+          offload_axes: tuple[int, ...] | None = None, reduce_dtype: str | None = None) -> dict:
     """Plan ``graph`` on ``cluster``: return a plan document (plan.schema.json) that fits the budget.
 
     ``graph`` is a dict (validated here) or a GraphDocument from ``cauto.plan.load_graph`` (already
@@ -248,7 +249,9 @@ def solve(graph: GraphDocument | Mapping, cluster: ClusterSpec, *, memory_budget
     chunks are ZeRO-sharded over; default every axis, pure data parallelism) are chunked (state
     "chunked", handed to the runtime's chunk manager with the budget; offload/ has the memory and
     traffic model). ``offload_axes`` must be distinct axes of the mesh, and needs ``offload``.
+    ``reduce_dtype``: see ``build``.
     """
     return plan_document(solve_sharding(graph, cluster, memory_budget=memory_budget, time_limit_s=time_limit_s,
                                         solver=solver, follow=follow, share_layers=share_layers, timings=timings,
-                                        progress=progress, offload=offload, offload_axes=offload_axes))
+                                        progress=progress, offload=offload, offload_axes=offload_axes,
+                                        reduce_dtype=reduce_dtype))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from cauto.plan import GraphNode
+from cauto.plan.precision import bytes_as
 from cauto.solver.cluster import ClusterSpec
 from cauto.solver.cost.reshard import Placements, backward_target, reshard_cost_s
 from cauto.solver.strategies.node import Strategy
@@ -36,9 +37,12 @@ TIE_BREAK_SHARE = 1e-4
 class CostModel:
     """Seconds of compute and of redistributions on one cluster; caches what repeats."""
 
-    def __init__(self, cluster: ClusterSpec, train: bool):
+    def __init__(self, cluster: ClusterSpec, train: bool, reduce_dtype: str | None = None):
         self.cluster = cluster
         self.train = train
+        #: the dtype name gradients of parameters and of values moved cast are reduced in, where mixed
+        #: precision lowers it ("bfloat16"; the runtime's backward_dtype and bucket casts), None: their own
+        self.reduce_dtype = reduce_dtype
         self.mesh_shape = tuple(cluster.mesh_shape)
         self.links = tuple((a.latency_s, a.bandwidth_bytes_per_s) for a in cluster.axes)
         #: per-collective dispatch overhead (the device's kernel floor)
@@ -73,26 +77,37 @@ class CostModel:
         return reshard_cost_s(src, dst, nbytes, self.mesh_shape, self.links, self.overhead_s, self.all_to_all)
 
     def edge_cost_s(self, src: Placements, dst: Placements, grad: Placements, nbytes: int, needs_grad: bool,
-                    fanout: int = 1, moved_nbytes: int | None = None) -> float:
+                    fanout: int = 1, moved_nbytes: int | None = None, grad_nbytes: int | None = None) -> float:
         """Forward plus backward seconds of one producer->consumer edge (module docstring).
         ``moved_nbytes``: the forward moves fewer bytes than the gradient (mixed precision: the value
-        is cast to bf16 before it moves, the gradient is reduced in fp32; memory/casts.py)."""
-        key = (src, dst, grad, nbytes, needs_grad, fanout, moved_nbytes)
+        is cast to bf16 before it moves, the gradient is reduced in fp32; memory/casts.py);
+        ``grad_nbytes``: the gradient's collective moves fewer bytes (a bf16 reduce dtype)."""
+        key = (src, dst, grad, nbytes, needs_grad, fanout, moved_nbytes, grad_nbytes)
         hit = self._pair_cache.get(key)
         if hit is not None:
             return hit
         t = self.reshard_s(src, dst, nbytes if moved_nbytes is None else moved_nbytes)
         if needs_grad:
-            back = self.reshard_s(grad, backward_target(grad, src), nbytes)
+            back = self.reshard_s(grad, backward_target(grad, src), nbytes if grad_nbytes is None else grad_nbytes)
             t += back if src != dst else back / fanout
         self._pair_cache[key] = t
         return t
 
+    def reduced_grad_nbytes(self, src: GraphNode, output: int, moved_dtype: str | None) -> int | None:
+        """Bytes the gradient collective of output ``output`` of ``src`` moves where the reduce dtype
+        lowers them (a parameter's gradient, or the gradient of a value moved cast to ``moved_dtype``),
+        else None (its own bytes)."""
+        if self.reduce_dtype is None or (src.kind != "param" and moved_dtype is None):
+            return None
+        meta = src.outputs[output]
+        return bytes_as(meta.bytes, meta.dtype, self.reduce_dtype)
+
     def edge_matrix(self, src_pls: tuple[Placements, ...], consumer: tuple[Strategy, ...], arg: int,
-                    nbytes: int, needs_grad: bool, fanout: int = 1, moved_nbytes: int | None = None) -> np.ndarray:
+                    nbytes: int, needs_grad: bool, fanout: int = 1, moved_nbytes: int | None = None,
+                    grad_nbytes: int | None = None) -> np.ndarray:
         """Cost matrix [producer strategy, consumer strategy] of one edge, in seconds (cached)."""
         key = (src_pls, tuple((s.inputs[arg], s.input_grads[arg]) for s in consumer), nbytes, needs_grad, fanout,
-               moved_nbytes)
+               moved_nbytes, grad_nbytes)
         hit = self._edge_cache.get(key)
         if hit is not None:
             return hit
@@ -100,7 +115,7 @@ class CostModel:
         for i, src in enumerate(src_pls):
             for j, s in enumerate(consumer):
                 m[i, j] = self.edge_cost_s(src, s.inputs[arg], s.input_grads[arg], nbytes, needs_grad, fanout,
-                                           moved_nbytes)
+                                           moved_nbytes, grad_nbytes)
         m.setflags(write=False)
         self._edge_cache[key] = m
         return m

@@ -314,7 +314,8 @@ class _ProblemBuilder:
         meta = self.by_id[src].outputs[o]
         dtype = self.memory.moved_dtypes.get((n.id, k))
         m = self.cost.edge_matrix(src_pls, tuple(self.strategies[n.id]), k, meta.bytes, self.rg[src],
-                                  self.fan[f"{src}#{o}"], None if dtype is None else bytes_as(meta.bytes, meta.dtype, dtype))
+                                  self.fan[f"{src}#{o}"], None if dtype is None else bytes_as(meta.bytes, meta.dtype, dtype),
+                                  self.cost.reduced_grad_nbytes(self.by_id[src], o, dtype))
         return pv, pidx, m
 
     def _gathered(self, n: GraphNode, k: int, ref: str, cols: np.ndarray) -> tuple[int, np.ndarray] | None:
