@@ -40,7 +40,7 @@ from cauto.plan import split_ref
 from cauto.plan.precision import bytes_as
 from cauto.solver.cost.reshard import backward_target, retained_bytes, staging_copies
 from cauto.solver.memory.model import MemoryModel, input_placements, redistributed_saves
-from cauto.solver.strategies.node import Strategy, shard_count
+from cauto.solver.strategies.node import Strategy, output_placement, shard_count
 
 
 def predicted_points(memory: MemoryModel, nodes: list, chosen: dict[str, Strategy],
@@ -74,12 +74,6 @@ class _Walk:
     ops: list
     order: dict[str, int]
 
-    def owner_pl(self, src, o: int = 0):
-        """The placement of output ``o`` of ``src`` (a tied parameter's: its owner's)."""
-        if src.kind == "param" and src.tied_to:
-            return self.chosen[src.tied_to].outputs[0]
-        return self.chosen[src.id].outputs[o]
-
     def dev_bytes(self, src, o: int, placements) -> int:
         """Bytes per device of output ``o`` of ``src`` placed ``placements``."""
         return src.outputs[o].bytes // shard_count(placements, self.memory.mesh_shape)
@@ -107,11 +101,11 @@ def _saved_bytes(walk: _Walk, moved: dict, direct: set) -> dict[str, int]:
     for n in walk.ops:
         s = chosen[n.id]
         b = memory.saved_after_redistribution(n, s, moved, direct,
-                                              input_placements(n, by_id, chosen, walk.owner_pl))
+                                              input_placements(n, by_id, chosen))
         for k, ref in enumerate(n.inputs):
             src = by_id.get(split_ref(ref)[0])
             if src is not None and src.kind == "param" and k < len(s.inputs):
-                b += memory.gathered_bytes(n, src, walk.owner_pl(src), s.inputs[k], k)
+                b += memory.gathered_bytes(n, src, output_placement(walk.chosen, src), s.inputs[k], k)
         saved[n.id] = b
     return saved
 
@@ -126,7 +120,7 @@ def _copies_freed_by(walk: _Walk, moved: dict) -> dict[str, int]:
         src = walk.by_id[src_id]
         for (pl, dtype), consumer in firsts.items():
             nbytes = bytes_as(src.outputs[o].bytes, src.outputs[o].dtype, dtype)
-            b = retained_bytes(walk.owner_pl(src, o), pl, int(nbytes * memory.activation_scale),
+            b = retained_bytes(output_placement(walk.chosen, src, o), pl, int(nbytes * memory.activation_scale),
                                memory.mesh_shape, memory.all_to_all)
             copy_freed_by[consumer] = copy_freed_by.get(consumer, 0) + b
     return copy_freed_by
@@ -163,7 +157,7 @@ def _nesting(walk: _Walk, regions: list[dict] | tuple, saved: dict[str, int]) ->
                         and saved.get(src_id, 0) >= src.outputs[o].bytes:
                     continue  # its producer keeps it anyway
                 if src.kind == "op" and src_id in walk.chosen:
-                    total += walk.dev_bytes(src, o, walk.owner_pl(src, o))
+                    total += walk.dev_bytes(src, o, output_placement(walk.chosen, src, o))
         held[i] = total
     return _Nesting(members, innermost, parent, top, span, held)
 
@@ -237,7 +231,7 @@ def _waiting_grads(walk: _Walk) -> list[int]:
     for (src_id, o), last in last_use.items():
         first = order[src_id] + 1
         if first < last:
-            b = walk.dev_bytes(by_id[src_id], o, walk.owner_pl(by_id[src_id], o))
+            b = walk.dev_bytes(by_id[src_id], o, output_placement(walk.chosen, by_id[src_id], o))
             pending[first] += b
             pending[last] -= b
     for t in range(1, len(ops)):
@@ -274,8 +268,8 @@ def _backward_points(walk: _Walk, nesting: _Nesting, saved: dict[str, int], stat
                     and src.outputs[o].dtype.startswith(("float", "bfloat")):
                 grad = walk.dev_bytes(src, o, s.input_grads[k])
                 in_grads += grad
-                if k < len(s.inputs) and walk.owner_pl(src, o) != s.inputs[k]:
-                    target = backward_target(s.input_grads[k], walk.owner_pl(src, o))
+                if k < len(s.inputs) and output_placement(walk.chosen, src, o) != s.inputs[k]:
+                    target = backward_target(s.input_grads[k], output_placement(walk.chosen, src, o))
                     staged = max(staged, grad * staging_copies(s.input_grads[k], target, memory.mesh_shape),
                                  walk.dev_bytes(src, o, target))
         grads += pending[t]
