@@ -24,8 +24,8 @@ import numpy as np
 
 from cauto.plan import GraphNode
 from cauto.solver.cluster import ClusterSpec
-from cauto.solver.cost.reshard import Placements, backward_target, reshard_cost_s
-from cauto.solver.strategies.node import Strategy
+from cauto.solver.cost.reshard import backward_target, reshard_cost_s
+from cauto.solver.strategies.node import Placements, Strategy
 
 #: Ties between equally fast plans go to the one keeping fewer bytes (model state, saved
 #: activations): each byte costs TIE_BREAK_SHARE · (one-device compute time) / (one-device peak bytes)
