@@ -44,9 +44,14 @@ class CostModel:
         #: per-collective dispatch overhead (the device's kernel floor)
         self.overhead_s = cluster.device.kernel_floor_s
         self.all_to_all = cluster.device.all_to_all
+        self.clear_caches()
+        self.tie_break_s_per_byte = 0.0
+
+    def clear_caches(self) -> None:
+        """Forget every cached edge cost: a model copied from another whose edges cost differently
+        (offload/cost.py) starts with empty caches."""
         self._edge_cache: dict = {}
         self._pair_cache: dict = {}
-        self.tie_break_s_per_byte = 0.0
 
     def set_tie_break(self, compute_s: float, peak_bytes: int) -> None:
         """Scale the memory tie-break from the one-device compute time and peak (module constant)."""
