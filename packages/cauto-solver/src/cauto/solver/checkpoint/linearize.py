@@ -37,6 +37,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from cauto.plan.dtypes import has_gradient
 from cauto.solver.checkpoint.chain import Chain
 
 DEFAULT_MAX_STAGES = 100
@@ -66,10 +67,6 @@ VIEW_OPS = frozenset({
 def _is_view(op: str) -> bool:
     parts = op.split(".")
     return (parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[0]) in VIEW_OPS
-
-
-def _is_float(dtype: str) -> bool:
-    return "float" in dtype or "complex" in dtype
 
 
 def _ref(ref: str) -> tuple[str, int]:
@@ -167,7 +164,7 @@ def _tensors(nodes: list[dict], pos: dict[str, int], div: dict[str, tuple[float,
         a = pos[n["id"]] if n["kind"] == "op" else -1
         for k, meta in enumerate(n["outputs"]):
             size = math.ceil(meta["bytes"] / div[n["id"]][0])
-            tensors[(n["id"], k)] = [a, None, size, grad[n["id"]] and _is_float(meta["dtype"])]
+            tensors[(n["id"], k)] = [a, None, size, grad[n["id"]] and has_gradient(meta["dtype"])]
     for n in nodes:
         if n["kind"] not in ("op", "output"):
             continue

@@ -16,7 +16,9 @@ saved once its backward ran):
   region's from its parent's recomputation on) + gradients of parameters whose consumers' backward
   already ran (at the placement backward computes them) + gradients of activations waiting for
   their producer's backward (created by the last consumer's backward) + what ``n``'s backward
-  allocates: gradients of its outputs and inputs, and its transient bytes.
+  allocates: gradients of its outputs and inputs, and its transient bytes. Activation gradients are
+  counted for real floating values only (``cauto.plan.dtypes.is_floating``); a complex activation's
+  gradient, which the ILP's ``tensor_requires_grad`` (``has_gradient``) does count, is not.
 * After ``n``'s backward, for an input it took through a redistribution: the redistribution's
   backward, with ``n``'s saved tensors (and the redistributed copy, when ``n`` was its first saving
   consumer) freed. It holds the arriving gradient and, as the local program runs it, either the
@@ -37,6 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cauto.plan import split_ref
+from cauto.plan.dtypes import is_floating
 from cauto.plan.precision import bytes_as
 from cauto.solver.cost.reshard import backward_target, retained_bytes, staging_copies
 from cauto.solver.memory.model import MemoryModel, input_placements, redistributed_saves
@@ -225,7 +228,7 @@ def _waiting_grads(walk: _Walk) -> list[int]:
             src_id, o = split_ref(ref)
             src = by_id.get(src_id)
             if src is not None and src.kind == "op" and src_id in order \
-                    and src.outputs[o].dtype.startswith(("float", "bfloat")):
+                    and is_floating(src.outputs[o].dtype):
                 last_use[(src_id, o)] = max(last_use.get((src_id, o), -1), order[n.id])
     pending = [0] * (len(ops) + 1)
     for (src_id, o), last in last_use.items():
@@ -259,13 +262,13 @@ def _backward_points(walk: _Walk, nesting: _Nesting, saved: dict[str, int], stat
                     if span[i][0] <= t and (parent[i] is None or n.id in members[parent[i]]))
         grads += grads_from.get(t, 0)
         out_grads = sum(walk.dev_bytes(n, o, s.outputs[o]) for o in range(min(len(n.outputs), len(s.outputs)))
-                        if n.outputs[o].dtype.startswith(("float", "bfloat")))
+                        if is_floating(n.outputs[o].dtype))
         in_grads, staged = 0, 0
         for k, ref in enumerate(n.inputs):
             src_id, o = split_ref(ref)
             src = by_id.get(src_id)
             if src is not None and src.kind == "op" and k < len(s.input_grads) \
-                    and src.outputs[o].dtype.startswith(("float", "bfloat")):
+                    and is_floating(src.outputs[o].dtype):
                 grad = walk.dev_bytes(src, o, s.input_grads[k])
                 in_grads += grad
                 if k < len(s.inputs) and output_placement(walk.chosen, src, o) != s.inputs[k]:
