@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from cauto.plan import graph_fingerprint
+from cauto.plan.dtypes import ITEMSIZE
 from cauto.solver.checkpoint.chain import Chain
 
 
@@ -35,8 +36,7 @@ def random_chain(rng: np.random.Generator, num_stages: int, *, uniform: bool = F
 
 
 def _meta(shape, dtype="float32"):
-    size = {"float32": 4, "int64": 8, "bool": 1}[dtype]
-    return {"shape": list(shape), "dtype": dtype, "bytes": int(np.prod(shape)) * size}
+    return {"shape": list(shape), "dtype": dtype, "bytes": int(np.prod(shape)) * ITEMSIZE[dtype]}
 
 
 def gpt_graph(layers: int = 4, batch: int = 8, seq: int = 256, hidden: int = 512, heads: int = 8,

@@ -46,13 +46,12 @@ import math
 from collections.abc import Mapping
 
 from cauto.plan import GraphNode, split_ref
+from cauto.plan.dtypes import ITEMSIZE
 from cauto.plan.precision import bytes_as
 from cauto.solver.cost.reshard import retained_bytes
 from cauto.solver.memory.casts import entry_casts
 from cauto.solver.strategies.node import Strategy, output_placement, shard_count
 
-_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
-             "int8": 1, "uint8": 1, "bool": 1, "complex64": 8}
 OPTIMIZER_BYTES_PER_ELEM = {"adam": 8, "adamw": 8, "sgd": 0, "none": 0}
 
 
@@ -61,7 +60,7 @@ def numel(node: GraphNode) -> int:
     meta = node.outputs[0]
     if meta.shape or meta.bytes == 0:
         return math.prod(meta.shape)
-    return meta.bytes // _ITEMSIZE.get(meta.dtype, 4)
+    return meta.bytes // ITEMSIZE.get(meta.dtype, 4)
 
 
 class MemoryModel:
