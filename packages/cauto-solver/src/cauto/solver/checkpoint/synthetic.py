@@ -3,7 +3,10 @@
 ``random_chain`` draws heterogeneous (or uniform) stage costs, as in the rotor paper's experiments.
 ``gpt_graph`` writes a valid graph document of a pre-LayerNorm transformer with rotary tables and
 a causal mask that every layer reads (constants for linearization), with plausible per-node times
-and saved/transient bytes; it needs no torch.
+and saved/transient bytes; it needs no torch. It is on purpose not ``cauto.solver.synthetic.gpt``,
+which mimics the profiler's node ids and sharding labels for the sharding ILP: this one has no
+labels but has what linearization is about (constants every layer reads, per-node times), and the
+checkpoint tests' expected numbers are this graph's.
 """
 
 from __future__ import annotations
