@@ -23,8 +23,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from cauto.plan.dtypes import ITEMSIZE, is_floating
+
 #: bytes per element of the floating dtypes, by the names graph documents use
-FLOAT_ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+FLOAT_ITEMSIZE = {dtype: size for dtype, size in ITEMSIZE.items() if is_floating(dtype)}
 #: the dtypes autocast computes in
 LOWER_DTYPES = ("bfloat16", "float16")
 

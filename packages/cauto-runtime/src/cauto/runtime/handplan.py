@@ -12,8 +12,9 @@ ops (counted on meta tensors; axis 0, bytes unknown), nothing else
 
 from __future__ import annotations
 
-from cauto.plan import CURRENT_VERSION, check_document
-from cauto.profiler.capture import Capture, output_tensors, ref_of, tensor_inputs
+from cauto.plan import CURRENT_VERSION, check_document, split_ref
+from cauto.plan.versioning import format_version
+from cauto.profiler.capture import Capture, output_tensors, ref_of, tensor_bytes, tensor_inputs
 from cauto.runtime.collectives import edge_collectives
 from cauto.runtime.propagate import Propagation, propagate
 
@@ -43,9 +44,9 @@ def make_plan(cap: Capture, mesh, *, inputs: str, params: dict[str, str] | str |
             forward += [{"op": op, "axis": 0, "bytes": 0, "phase": "forward", "where": f"inside {node_id}"}] * n
     (out,) = [n for n in cap.graph.nodes if n.op == "output"]
     loss = out.args[0][0]
-    src, _, idx = ref_of(loss).partition("#")
+    src, idx = split_ref(ref_of(loss))
     loss_meta = output_tensors(loss)[0]
-    forward += edge_collectives(outputs_of[src][int(idx or 0)], rep, loss_meta.numel() * loss_meta.element_size(),
+    forward += edge_collectives(outputs_of[src][idx], rep, tensor_bytes(loss_meta),
                                 where="loss")
     param_entries = {name: {"target": fqn, "placements": (storage or ph[name]).split(",")}
                      for name, (kind, fqn) in cap.placeholders.items() if kind == "param"}
@@ -53,9 +54,9 @@ def make_plan(cap: Capture, mesh, *, inputs: str, params: dict[str, str] | str |
         for node in cap.value_nodes():
             if node.op == "placeholder" and node.name in param_entries and node.users and storage != ph[node.name]:
                 t = output_tensors(node)[0]
-                forward += edge_collectives(storage, ph[node.name], t.numel() * t.element_size(), where=node.name)
+                forward += edge_collectives(storage, ph[node.name], tensor_bytes(t), where=node.name)
     plan = {
-        "schema_version": f"{CURRENT_VERSION['plan'][0]}.{CURRENT_VERSION['plan'][1]}", "kind": "plan",
+        "schema_version": format_version(CURRENT_VERSION["plan"]), "kind": "plan",
         "graph_fingerprint": cap.fingerprint(),
         "mesh": {"shape": list(mesh.shape), "axis_names": list(mesh.mesh_dim_names or [f"a{i}" for i in range(axes)])},
         "cluster": {**CLUSTER, "axes": CLUSTER["axes"] * axes},
@@ -118,11 +119,11 @@ def _nodes_and_edges(cap: Capture, prop: Propagation, rep: str) -> tuple[dict, l
         nodes[node.name] = {"inputs": ins, "outputs": outs}
         outputs_of[node.name] = prop.outputs[node.name]
         for k, a in enumerate(tensor_inputs(node) if node.op != "placeholder" else []):
-            src, _, idx = ref_of(a).partition("#")
-            have = outputs_of[src][int(idx or 0)] if src in outputs_of else rep
+            src, idx = split_ref(ref_of(a))
+            have = outputs_of[src][idx] if src in outputs_of else rep
             if have != prop.inputs[node.name][k]:
                 t = output_tensors(a)[0]
-                colls = edge_collectives(have, prop.inputs[node.name][k], t.numel() * t.element_size(),
+                colls = edge_collectives(have, prop.inputs[node.name][k], tensor_bytes(t),
                                          where=f"{ref_of(a)}->{node.name}[{k}]")
                 edges.append({"src": src, "dst": node.name, "arg": k, "src_placements": have.split(","),
                               "dst_placements": prop.inputs[node.name][k].split(","), "collectives": colls})

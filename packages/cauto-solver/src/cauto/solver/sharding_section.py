@@ -36,7 +36,7 @@ from cauto.solver.cost.reshard import Collective, backward_target, is_partial, r
 from cauto.solver.memory.model import MemoryModel
 from cauto.solver.memory.walk import predicted_peak_bytes
 from cauto.solver.strategies.groups import tensor_requires_grad
-from cauto.solver.strategies.node import Placements, Strategy
+from cauto.solver.strategies.node import Placements, Strategy, output_placement
 
 #: loss ops whose DTensor backward all-reduces the Partial total weight of a mean reduction (nll_loss)
 TOTAL_WEIGHT_LOSSES = frozenset({"aten.cross_entropy_loss.default", "aten.nll_loss.default",
@@ -75,16 +75,6 @@ def sharding_section(g: GraphDocument, cluster: ClusterSpec, chosen: Mapping[str
     }
 
 
-def value_placement(by_id: Mapping[str, GraphNode], chosen: Mapping[str, Strategy], ref: str) -> Placements:
-    """The placement of the value ``ref`` ("node" or "node#k") as its producer gives it (a tied
-    parameter's is its owner's); ``by_id``: the graph's nodes by id."""
-    src, o = split_ref(ref)
-    node = by_id[src]
-    if node.kind == "param" and node.tied_to:
-        return chosen[node.tied_to].outputs[0]
-    return chosen[src].outputs[o]
-
-
 def placements(nodes: list[GraphNode], chosen: Mapping[str, Strategy],
                cost: CostModel) -> tuple[dict, dict, float]:
     """(``nodes`` entries, ``params`` entries, compute seconds of the step)."""
@@ -121,7 +111,7 @@ def redistributions(g: GraphDocument, nodes: list[GraphNode], chosen: Mapping[st
         s = chosen[n.id]
         for k, ref in enumerate(n.inputs):
             src_id, o = split_ref(ref)
-            src_pl, dst_pl, grad_pl = value_placement(by_id, chosen, ref), s.inputs[k], s.input_grads[k]
+            src_pl, dst_pl, grad_pl = output_placement(chosen, by_id[src_id], o), s.inputs[k], s.input_grads[k]
             meta = by_id[src_id].outputs[o]
             nbytes = meta.bytes
             needs_grad = rg[src_id]
@@ -159,8 +149,8 @@ def gradient_reductions(g: GraphDocument, chosen: Mapping[str, Strategy], cost: 
     grad_sync, backward = [], []
     reduced: set[str] = set()
     for ref, grads in arriving.items():
-        src_id, _ = split_ref(ref)
-        target_pl = value_placement(by_id, chosen, ref)
+        src_id, o = split_ref(ref)
+        target_pl = output_placement(chosen, by_id[src_id], o)
         is_param = by_id[src_id].kind == "param"
         if not is_param:
             # the runtime reduces a value's gradient once, after autograd summed its consumers' gradients
@@ -202,9 +192,9 @@ def loss_collectives(g: GraphDocument, chosen: Mapping[str, Strategy], cost: Cos
     mesh = tuple(cost.mesh_shape)
     out = []
     for node in (n for n in g.nodes if n.kind == "output"):
-        loss_pl = value_placement(by_id, chosen, node.inputs[0])
+        src_id, o = split_ref(node.inputs[0])
+        loss_pl = output_placement(chosen, by_id[src_id], o)
         if any(is_partial(p) for p in loss_pl):
-            src_id, o = split_ref(node.inputs[0])
             out += collective_dicts(reshard(loss_pl, tuple("R" for _ in mesh), by_id[src_id].outputs[o].bytes,
                                             mesh, cost.links, cost.overhead_s, cost.all_to_all), "forward", "loss")
     return out

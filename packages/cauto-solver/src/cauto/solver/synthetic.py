@@ -21,8 +21,7 @@ from __future__ import annotations
 import math
 
 from cauto.plan import graph_fingerprint
-
-_ITEM = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8}
+from cauto.plan.dtypes import ITEMSIZE
 
 
 class GraphBuilder:
@@ -41,7 +40,7 @@ class GraphBuilder:
 
     def _meta(self, shape: list[int], dtype: str | None = None) -> dict:
         dt = dtype or self.dtype
-        return {"shape": list(shape), "dtype": dt, "bytes": math.prod(shape) * _ITEM[dt]}
+        return {"shape": list(shape), "dtype": dt, "bytes": math.prod(shape) * ITEMSIZE[dt]}
 
     @staticmethod
     def _layer(module: str) -> tuple[str | None, int | None]:
@@ -71,7 +70,7 @@ class GraphBuilder:
         base = op.split(".")[1] if op.startswith("aten.") else op
         node_id = self._name(base)
         out = self._meta(shape, dtype)
-        in_bytes = sum(math.prod(self.shapes[i]) * _ITEM[self.dtype] for i in inputs)
+        in_bytes = sum(math.prod(self.shapes[i]) * ITEMSIZE[self.dtype] for i in inputs)
         layer, index = self._layer(module)
         self.nodes.append({
             "id": node_id, "kind": "op", "op": op, "module": module, "inputs": list(inputs), "outputs": [out],
@@ -253,7 +252,7 @@ def _head(g: GraphBuilder, x: str, weight: str, targets: str, vocab: int, name: 
                  {"inputs": ["bs"], "outputs": ["b"], "rule": "view"}, dtype="int64", saved=False)
     loss = g.op("aten.cross_entropy_loss.default", "", [flat, tflat], [],
                 {"inputs": ["bv", "b"], "outputs": [""], "reduce": "avg", "whole": "v", "rule": "cross_entropy"},
-                flops=4 * batch * seq * vocab, saved=False, transient=batch * seq * vocab * _ITEM[g.dtype])
+                flops=4 * batch * seq * vocab, saved=False, transient=batch * seq * vocab * ITEMSIZE[g.dtype])
     return g.document(name, optimizer, loss)
 
 

@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from cauto.plan import PlanDocument
-from cauto.plan.mesh_axes import data_parallel_axes as mesh_data_parallel_axes
+from cauto.plan.mesh_axes import data_parallel_axes
 from cauto.profiler.capture import Capture
 from cauto.runtime import execute
 from cauto.runtime.chunks.data_parallel import (
@@ -50,9 +50,9 @@ from cauto.runtime.chunks.optim import ChunkedAdam
 from cauto.runtime.chunks.wrap import chunk_module
 
 
-def data_parallel_axes(plan: PlanDocument) -> list[int]:
+def plan_data_parallel_axes(plan: PlanDocument) -> list[int]:
     """The mesh axes the plan ZeRO-shards chunks over (``offload.mesh_axes``; all axes if absent)."""
-    return list(mesh_data_parallel_axes(plan.mesh["shape"], (plan.offload or {}).get("mesh_axes")))
+    return list(data_parallel_axes(plan.mesh["shape"], (plan.offload or {}).get("mesh_axes")))
 
 
 def check_chunked_program(plan: PlanDocument, model: nn.Module) -> None:
@@ -62,7 +62,7 @@ def check_chunked_program(plan: PlanDocument, model: nn.Module) -> None:
     if plan.offload is None:
         raise mismatch("the plan marks parameters \"chunked\" but has no offload section; solve again with "
                         "--offload chunked")
-    axes = data_parallel_axes(plan)
+    axes = plan_data_parallel_axes(plan)
     ndim = len(plan.mesh["shape"])
     if not axes or any(not 0 <= a < ndim for a in axes) or (len(axes) > 1 and len(axes) != ndim):
         raise mismatch(f"the plan ZeRO-shards chunks over mesh axes {axes}; the runtime shards them over one mesh "
@@ -96,7 +96,7 @@ def shard_into_chunks(model: nn.Module, plan: PlanDocument, mesh: DeviceMesh, de
     """Put the local shards of ``model``'s chunked DTensor parameters into chunks, in place (module
     docstring); return (chunked model, optimizer, fqn -> ChunkedShard for every name of each)."""
     check_chunked_program(plan, model)
-    axes = data_parallel_axes(plan)
+    axes = plan_data_parallel_axes(plan)
     targets = set(chunked_targets(plan))
     chosen = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if n in targets}
     spec: dict[int, tuple] = {}
@@ -131,4 +131,4 @@ def build_program(cap: Capture, plan: PlanDocument, mesh: DeviceMesh, device: to
     return execute.build(cap, plan, mesh, device, propagation, chunked=chunked)
 
 
-__all__ = ["build_program", "check_chunked_program", "data_parallel_axes", "shard_into_chunks"]
+__all__ = ["build_program", "check_chunked_program", "plan_data_parallel_axes", "shard_into_chunks"]

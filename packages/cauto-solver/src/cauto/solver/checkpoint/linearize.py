@@ -37,6 +37,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from cauto.plan import split_ref
+from cauto.plan.dtypes import has_gradient
 from cauto.solver.checkpoint.chain import Chain
 
 DEFAULT_MAX_STAGES = 100
@@ -66,15 +68,6 @@ VIEW_OPS = frozenset({
 def _is_view(op: str) -> bool:
     parts = op.split(".")
     return (parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[0]) in VIEW_OPS
-
-
-def _is_float(dtype: str) -> bool:
-    return "float" in dtype or "complex" in dtype
-
-
-def _ref(ref: str) -> tuple[str, int]:
-    node, _, index = ref.partition("#")
-    return node, int(index) if index else 0
 
 
 def _phase_s(flops: float, nbytes: float, time_s: float, k: float, device: Mapping) -> float:
@@ -146,11 +139,11 @@ def _needs_grad(nodes: list[dict]) -> dict[str, bool]:
         elif k == "input":
             grad[n["id"]] = bool(n.get("requires_grad", False))
         elif k == "op":
-            missing = [r for r in n["inputs"] if _ref(r)[0] not in grad]
+            missing = [r for r in n["inputs"] if split_ref(r)[0] not in grad]
             if missing:
                 raise ValueError(f"graph node {n['id']!r}: input {missing[0]!r} is not an earlier node "
                                  "(nodes must be in topological order)")
-            grad[n["id"]] = any(grad[_ref(r)[0]] for r in n["inputs"])
+            grad[n["id"]] = any(grad[split_ref(r)[0]] for r in n["inputs"])
         else:
             grad[n["id"]] = False
     return grad
@@ -167,13 +160,13 @@ def _tensors(nodes: list[dict], pos: dict[str, int], div: dict[str, tuple[float,
         a = pos[n["id"]] if n["kind"] == "op" else -1
         for k, meta in enumerate(n["outputs"]):
             size = math.ceil(meta["bytes"] / div[n["id"]][0])
-            tensors[(n["id"], k)] = [a, None, size, grad[n["id"]] and _is_float(meta["dtype"])]
+            tensors[(n["id"], k)] = [a, None, size, grad[n["id"]] and has_gradient(meta["dtype"])]
     for n in nodes:
         if n["kind"] not in ("op", "output"):
             continue
         reader = pos[n["id"]] if n["kind"] == "op" else P
         for r in n["inputs"]:
-            key = _ref(r)
+            key = split_ref(r)
             if key in tensors:
                 t = tensors[key]
                 t[1] = reader if t[1] is None else max(t[1], reader)
@@ -258,7 +251,7 @@ def _stage_sums(ops: list[dict], div: dict[str, tuple[float, float]], tensors: d
         grads = sum(tensors[(n["id"], k)][2] for k in range(len(n["outputs"]))
                     if tensors[(n["id"], k)][3] and (n["id"], k) != stage_out)
         for r in n["inputs"]:
-            key = _ref(r)
+            key = split_ref(r)
             if key in tensors and tensors[key][3] and key != stage_in:
                 grads += tensors[key][2]
         btmp[i] = max(btmp[i], grads + transient)

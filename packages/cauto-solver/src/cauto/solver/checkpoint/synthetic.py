@@ -3,7 +3,10 @@
 ``random_chain`` draws heterogeneous (or uniform) stage costs, as in the rotor paper's experiments.
 ``gpt_graph`` writes a valid graph document of a pre-LayerNorm transformer with rotary tables and
 a causal mask that every layer reads (constants for linearization), with plausible per-node times
-and saved/transient bytes; it needs no torch.
+and saved/transient bytes; it needs no torch. It is on purpose not ``cauto.solver.synthetic.gpt``,
+which mimics the profiler's node ids and sharding labels for the sharding ILP: this one has no
+labels but has what linearization is about (constants every layer reads, per-node times), and the
+checkpoint tests' expected numbers are this graph's.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from cauto.plan import graph_fingerprint
+from cauto.plan.dtypes import ITEMSIZE
 from cauto.solver.checkpoint.chain import Chain
 
 
@@ -35,8 +39,7 @@ def random_chain(rng: np.random.Generator, num_stages: int, *, uniform: bool = F
 
 
 def _meta(shape, dtype="float32"):
-    size = {"float32": 4, "int64": 8, "bool": 1}[dtype]
-    return {"shape": list(shape), "dtype": dtype, "bytes": int(np.prod(shape)) * size}
+    return {"shape": list(shape), "dtype": dtype, "bytes": int(np.prod(shape)) * ITEMSIZE[dtype]}
 
 
 def gpt_graph(layers: int = 4, batch: int = 8, seq: int = 256, hidden: int = 512, heads: int = 8,

@@ -25,8 +25,8 @@ import numpy as np
 from cauto.plan import GraphNode
 from cauto.plan.precision import bytes_as
 from cauto.solver.cluster import ClusterSpec
-from cauto.solver.cost.reshard import Placements, backward_target, reshard_cost_s
-from cauto.solver.strategies.node import Strategy
+from cauto.solver.cost.reshard import backward_target, reshard_cost_s
+from cauto.solver.strategies.node import Placements, Strategy
 
 #: Ties between equally fast plans go to the one keeping fewer bytes (model state, saved
 #: activations): each byte costs TIE_BREAK_SHARE · (one-device compute time) / (one-device peak bytes)
@@ -48,9 +48,14 @@ class CostModel:
         #: per-collective dispatch overhead (the device's kernel floor)
         self.overhead_s = cluster.device.kernel_floor_s
         self.all_to_all = cluster.device.all_to_all
+        self.clear_caches()
+        self.tie_break_s_per_byte = 0.0
+
+    def clear_caches(self) -> None:
+        """Forget every cached edge cost: a model copied from another whose edges cost differently
+        (offload/cost.py) starts with empty caches."""
         self._edge_cache: dict = {}
         self._pair_cache: dict = {}
-        self.tie_break_s_per_byte = 0.0
 
     def set_tie_break(self, compute_s: float, peak_bytes: int) -> None:
         """Scale the memory tie-break from the one-device compute time and peak (module constant)."""

@@ -25,9 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 
-from cauto.solver.strategies.node import shard_count
-
-Placements = tuple[str, ...]
+from cauto.solver.strategies.node import Placements, shard_count
 
 
 @dataclass(frozen=True)

@@ -46,13 +46,12 @@ import math
 from collections.abc import Mapping
 
 from cauto.plan import GraphNode, split_ref
+from cauto.plan.dtypes import ITEMSIZE
 from cauto.plan.precision import bytes_as
 from cauto.solver.cost.reshard import retained_bytes
 from cauto.solver.memory.casts import entry_casts
-from cauto.solver.strategies.node import Strategy, shard_count
+from cauto.solver.strategies.node import Strategy, output_placement, shard_count
 
-_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
-             "int8": 1, "uint8": 1, "bool": 1, "complex64": 8}
 OPTIMIZER_BYTES_PER_ELEM = {"adam": 8, "adamw": 8, "sgd": 0, "none": 0}
 
 
@@ -61,7 +60,7 @@ def numel(node: GraphNode) -> int:
     meta = node.outputs[0]
     if meta.shape or meta.bytes == 0:
         return math.prod(meta.shape)
-    return meta.bytes // _ITEMSIZE.get(meta.dtype, 4)
+    return meta.bytes // ITEMSIZE.get(meta.dtype, 4)
 
 
 class MemoryModel:
@@ -192,12 +191,6 @@ class MemoryModel:
         """``predict`` (``peak`` when not ``exact``) plus the phase holding the peak: "forward",
         "backward", "grad_sync" or "optimizer"."""
         by_id = {n.id: n for n in nodes}
-
-        def owner_pl(src: GraphNode, o: int = 0):
-            if src.kind == "param" and src.tied_to:
-                return chosen[src.tied_to].outputs[0]
-            return chosen[src.id].outputs[o]
-
         state = sum(self.state_bytes(n, chosen[n.id]) for n in nodes if n.id in chosen)
         moved, direct = redistributed_saves(nodes, chosen, self.moved_dtypes) if exact else ({}, set())
         cum, best, best_t = 0, 0, 0
@@ -209,11 +202,11 @@ class MemoryModel:
             s = chosen[n.id]
             last_t = t
             cum += self.saved_after_redistribution(n, s, moved, direct,
-                                                   input_placements(n, by_id, chosen, owner_pl) if exact else None)
+                                                   input_placements(n, by_id, chosen) if exact else None)
             for k, ref in enumerate(n.inputs):
                 src = by_id.get(split_ref(ref)[0])
                 if src is not None and src.kind == "param" and k < len(s.inputs):
-                    cum += self.gathered_bytes(n, src, owner_pl(src), s.inputs[k], k)
+                    cum += self.gathered_bytes(n, src, output_placement(chosen, src), s.inputs[k], k)
             bwd_extra = max(bwd_extra, self.backward_extra_bytes(n, s))
             live = cum + self.transient_bytes(n, s)
             if live >= best:
@@ -344,15 +337,14 @@ class MemoryModel:
             self.optimizer_extra = max(0, optimizer_peak - state - grads)
 
 
-def input_placements(n: GraphNode, by_id: Mapping[str, GraphNode], chosen: Mapping[str, Strategy],
-                     owner_pl) -> list:
-    """Where each input of ``n`` is produced (``owner_pl(src, o)``), None for inputs without a plan."""
+def input_placements(n: GraphNode, by_id: Mapping[str, GraphNode], chosen: Mapping[str, Strategy]) -> list:
+    """Where each input of ``n`` is produced (``output_placement``), None for inputs without a plan."""
     out = []
     for ref in n.inputs:
         src_id, o = split_ref(ref)
         src = by_id.get(src_id)
         known = src is not None and (src.tied_to or src_id) in chosen and src.kind in ("op", "param", "input")
-        out.append(owner_pl(src, o) if known else None)
+        out.append(output_placement(chosen, src, o) if known else None)
     return out
 
 

@@ -16,7 +16,9 @@ saved once its backward ran):
   region's from its parent's recomputation on) + gradients of parameters whose consumers' backward
   already ran (at the placement backward computes them) + gradients of activations waiting for
   their producer's backward (created by the last consumer's backward) + what ``n``'s backward
-  allocates: gradients of its outputs and inputs, and its transient bytes.
+  allocates: gradients of its outputs and inputs, and its transient bytes. Activation gradients are
+  counted for real floating values only (``cauto.plan.dtypes.is_floating``); a complex activation's
+  gradient, which the ILP's ``tensor_requires_grad`` (``has_gradient``) does count, is not.
 * After ``n``'s backward, for an input it took through a redistribution: the redistribution's
   backward, with ``n``'s saved tensors (and the redistributed copy, when ``n`` was its first saving
   consumer) freed. It holds the arriving gradient and, as the local program runs it, either the
@@ -37,10 +39,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cauto.plan import split_ref
+from cauto.plan.dtypes import is_floating
 from cauto.plan.precision import bytes_as
 from cauto.solver.cost.reshard import backward_target, retained_bytes, staging_copies
 from cauto.solver.memory.model import MemoryModel, input_placements, redistributed_saves
-from cauto.solver.strategies.node import Strategy, shard_count
+from cauto.solver.strategies.node import Strategy, output_placement, shard_count
 
 
 def predicted_points(memory: MemoryModel, nodes: list, chosen: dict[str, Strategy],
@@ -74,12 +77,6 @@ class _Walk:
     ops: list
     order: dict[str, int]
 
-    def owner_pl(self, src, o: int = 0):
-        """The placement of output ``o`` of ``src`` (a tied parameter's: its owner's)."""
-        if src.kind == "param" and src.tied_to:
-            return self.chosen[src.tied_to].outputs[0]
-        return self.chosen[src.id].outputs[o]
-
     def dev_bytes(self, src, o: int, placements) -> int:
         """Bytes per device of output ``o`` of ``src`` placed ``placements``."""
         return src.outputs[o].bytes // shard_count(placements, self.memory.mesh_shape)
@@ -107,11 +104,11 @@ def _saved_bytes(walk: _Walk, moved: dict, direct: set) -> dict[str, int]:
     for n in walk.ops:
         s = chosen[n.id]
         b = memory.saved_after_redistribution(n, s, moved, direct,
-                                              input_placements(n, by_id, chosen, walk.owner_pl))
+                                              input_placements(n, by_id, chosen))
         for k, ref in enumerate(n.inputs):
             src = by_id.get(split_ref(ref)[0])
             if src is not None and src.kind == "param" and k < len(s.inputs):
-                b += memory.gathered_bytes(n, src, walk.owner_pl(src), s.inputs[k], k)
+                b += memory.gathered_bytes(n, src, output_placement(walk.chosen, src), s.inputs[k], k)
         saved[n.id] = b
     return saved
 
@@ -126,7 +123,7 @@ def _copies_freed_by(walk: _Walk, moved: dict) -> dict[str, int]:
         src = walk.by_id[src_id]
         for (pl, dtype), consumer in firsts.items():
             nbytes = bytes_as(src.outputs[o].bytes, src.outputs[o].dtype, dtype)
-            b = retained_bytes(walk.owner_pl(src, o), pl, int(nbytes * memory.activation_scale),
+            b = retained_bytes(output_placement(walk.chosen, src, o), pl, int(nbytes * memory.activation_scale),
                                memory.mesh_shape, memory.all_to_all)
             copy_freed_by[consumer] = copy_freed_by.get(consumer, 0) + b
     return copy_freed_by
@@ -163,7 +160,7 @@ def _nesting(walk: _Walk, regions: list[dict] | tuple, saved: dict[str, int]) ->
                         and saved.get(src_id, 0) >= src.outputs[o].bytes:
                     continue  # its producer keeps it anyway
                 if src.kind == "op" and src_id in walk.chosen:
-                    total += walk.dev_bytes(src, o, walk.owner_pl(src, o))
+                    total += walk.dev_bytes(src, o, output_placement(walk.chosen, src, o))
         held[i] = total
     return _Nesting(members, innermost, parent, top, span, held)
 
@@ -231,13 +228,13 @@ def _waiting_grads(walk: _Walk) -> list[int]:
             src_id, o = split_ref(ref)
             src = by_id.get(src_id)
             if src is not None and src.kind == "op" and src_id in order \
-                    and src.outputs[o].dtype.startswith(("float", "bfloat")):
+                    and is_floating(src.outputs[o].dtype):
                 last_use[(src_id, o)] = max(last_use.get((src_id, o), -1), order[n.id])
     pending = [0] * (len(ops) + 1)
     for (src_id, o), last in last_use.items():
         first = order[src_id] + 1
         if first < last:
-            b = walk.dev_bytes(by_id[src_id], o, walk.owner_pl(by_id[src_id], o))
+            b = walk.dev_bytes(by_id[src_id], o, output_placement(walk.chosen, by_id[src_id], o))
             pending[first] += b
             pending[last] -= b
     for t in range(1, len(ops)):
@@ -265,17 +262,17 @@ def _backward_points(walk: _Walk, nesting: _Nesting, saved: dict[str, int], stat
                     if span[i][0] <= t and (parent[i] is None or n.id in members[parent[i]]))
         grads += grads_from.get(t, 0)
         out_grads = sum(walk.dev_bytes(n, o, s.outputs[o]) for o in range(min(len(n.outputs), len(s.outputs)))
-                        if n.outputs[o].dtype.startswith(("float", "bfloat")))
+                        if is_floating(n.outputs[o].dtype))
         in_grads, staged = 0, 0
         for k, ref in enumerate(n.inputs):
             src_id, o = split_ref(ref)
             src = by_id.get(src_id)
             if src is not None and src.kind == "op" and k < len(s.input_grads) \
-                    and src.outputs[o].dtype.startswith(("float", "bfloat")):
+                    and is_floating(src.outputs[o].dtype):
                 grad = walk.dev_bytes(src, o, s.input_grads[k])
                 in_grads += grad
-                if k < len(s.inputs) and walk.owner_pl(src, o) != s.inputs[k]:
-                    target = backward_target(s.input_grads[k], walk.owner_pl(src, o))
+                if k < len(s.inputs) and output_placement(walk.chosen, src, o) != s.inputs[k]:
+                    target = backward_target(s.input_grads[k], output_placement(walk.chosen, src, o))
                     staged = max(staged, grad * staging_copies(s.input_grads[k], target, memory.mesh_shape),
                                  walk.dev_bytes(src, o, target))
         grads += pending[t]

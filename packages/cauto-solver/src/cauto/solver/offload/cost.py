@@ -36,6 +36,6 @@ def chunked_cost_model(base: CostModel, offload: OffloadModel) -> ChunkedCostMod
     (``base`` stays as ``.base``, the plan's step time)."""
     m = ChunkedCostModel.__new__(ChunkedCostModel)
     m.__dict__.update(base.__dict__)
-    m._edge_cache, m._pair_cache = {}, {}
+    m.clear_caches()
     m.offload, m.base = offload, base
     return m

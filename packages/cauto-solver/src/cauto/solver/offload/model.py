@@ -96,7 +96,7 @@ from cauto.solver.cluster import ClusterSpec
 from cauto.solver.errors import SolverError
 from cauto.solver.memory.model import MemoryModel, numel
 from cauto.solver.memory.walk import predicted_peak_bytes
-from cauto.solver.strategies.node import Placements, Strategy
+from cauto.solver.strategies.node import Placements, Strategy, output_placement
 
 #: bytes per element of a chunked parameter, of its gradient chunk, of its Adam moments (fp32)
 PARAM_ITEMSIZE, GRAD_ITEMSIZE, ADAM_BYTES_PER_ELEM = 4, 4, 8
@@ -235,9 +235,7 @@ def first_edge(graph: GraphDocument, nodes: list[GraphNode], chosen: dict[str, S
     for n in nodes:
         for k, ref in enumerate(n.inputs):
             src_id, o = split_ref(ref)
-            src = by_id[src_id]
-            have = chosen[src.tied_to].outputs[0] if src.kind == "param" and src.tied_to else chosen[src_id].outputs[o]
-            if have != chosen[n.id].inputs[k]:
+            if output_placement(chosen, by_id[src_id], o) != chosen[n.id].inputs[k]:
                 return ref, n.id
     return None
 

@@ -30,12 +30,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cauto.plan import GraphDocument, GraphNode, split_ref
+from cauto.plan.dtypes import has_gradient
 from cauto.plan.precision import bytes_as
 from cauto.solver.cost.model import CostModel
 from cauto.solver.memory.model import MemoryModel
 from cauto.solver.strategies.node import Strategy, op_strategies, placeholder_strategies
 
-_FLOAT = ("float", "bfloat", "complex")
 LIGHT_FLOPS_PER_ELEM = 16
 
 
@@ -86,7 +86,7 @@ def tensor_requires_grad(graph_nodes: list[GraphNode], train: bool = True) -> di
         if n.kind == "param":
             rg[n.id] = train and n.requires_grad is not False
         elif n.kind == "op":
-            floating = any(o.dtype.startswith(_FLOAT) for o in n.outputs)
+            floating = any(has_gradient(o.dtype) for o in n.outputs)
             rg[n.id] = floating and any(rg.get(split_ref(r)[0], False) for r in n.inputs)
         else:
             rg[n.id] = False

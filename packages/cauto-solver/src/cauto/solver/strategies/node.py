@@ -25,12 +25,17 @@ Placeholders: a parameter is Replicate or Shard(d) per axis on any divisible dim
 consumed whole is ZeRO-3: all-gather before use, reduce-scatter of its gradient); an input is
 Replicate or Shard(0) per axis (the runtime slices the global batch); a buffer is Replicate. Ops
 without labels or without tensor inputs are Replicate only.
+
+Once a strategy is chosen for every node, ``output_placement`` says which placement the consumers of a
+value see: its producer's output placement, a tied parameter's being its owner's (the tied copy has
+no strategy of its own).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cauto.plan import GraphNode
@@ -159,3 +164,11 @@ def placeholder_strategies(node: GraphNode, mesh_shape: tuple[int, ...],
 def shard_count(placements: Placements, mesh_shape: tuple[int, ...]) -> int:
     """How many pieces a tensor with these placements is cut into on each device's view."""
     return math.prod(n for p, n in zip(placements, mesh_shape) if p.startswith("S("))
+
+
+def output_placement(chosen: Mapping[str, Strategy], node: GraphNode, o: int = 0) -> Placements:
+    """The placement output ``o`` of ``node`` has under the ``chosen`` strategies: what every consumer of
+    that value sees (a tied parameter's is its owner's)."""
+    if node.kind == "param" and node.tied_to:
+        return chosen[node.tied_to].outputs[0]
+    return chosen[node.id].outputs[o]
