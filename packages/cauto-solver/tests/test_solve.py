@@ -8,6 +8,7 @@ from cauto.plan import GraphDocument, check_document, check_plan_matches_graph, 
 from cauto.solver import synthetic
 from cauto.solver.errors import SolverError
 from cauto.solver.ilp import solve_ilp
+from cauto.solver.sharding_section import sharding_section
 from cauto.solver.solve import build, chosen_strategies, evaluate, solve
 
 
@@ -66,6 +67,25 @@ def test_tied_parameter_counts_once(make_cluster):
     a = solve(graph, make_cluster(2))["predictions"]["model_state_bytes"]
     b = solve(untied, make_cluster(2))["predictions"]["model_state_bytes"]
     assert b > a
+
+
+def test_a_shared_copy_reduces_the_sum_of_its_consumers_gradients(make_cluster):
+    # the tied weight, stored S(1), is all-gathered once for the embedding (gradient R) and the
+    # batch-split head (gradient Partial): autograd sums both into the copy's one backward, which
+    # reduce-scatters the Partial sum back to S(1) (the head's edge reuses the copy, so it has none)
+    g = GraphDocument.from_dict(synthetic.gpt(batch=8, seq=64, hidden=128, heads=4, layers=1))
+    cluster = make_cluster(2)
+    strategies, cost, memory, _ = build(g, cluster, follow=False, share_layers=False)
+    chosen = {n.id: strategies[n.id][0] for n in g.nodes if n.kind != "output"}
+    assert chosen["embedding"].input_grads[0] == ("R",)
+    chosen["p_tok_weight"] = next(s for s in strategies["p_tok_weight"] if s.outputs == (("S(1)",),))
+    chosen["linear_6"] = next(s for s in strategies["linear_6"] if s.name == "b@dp")
+    assert chosen["linear_6"].input_grads[1] == ("P(sum)",)
+    p = sharding_section(g, cluster, chosen, cost, memory, None)
+    weight = [c for c in p["predictions"]["collectives"] if c["where"].startswith("p_tok_weight->")]
+    assert [(c["phase"], c["op"], c["where"]) for c in weight] == [
+        ("forward", "all_gather", "p_tok_weight->embedding:0"),
+        ("backward", "reduce_scatter", "p_tok_weight->embedding:0")]
 
 
 def test_repeated_layers_share_variables(make_cluster):

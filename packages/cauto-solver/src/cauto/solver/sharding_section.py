@@ -7,7 +7,9 @@ it), written in steps:
   and compute seconds; a tied parameter copies the placement of the parameter it is tied to.
 * ``edges`` (``redistributions``): every op input whose producer's placement differs from what the op
   needs, with the forward collectives and forward + backward seconds; the runtime redistributes a
-  value once per placement, later consumers reuse it.
+  value once per placement, later consumers reuse it, and autograd sums the gradients of all the
+  copy's consumers before its one backward collective (Partial where any of them is: a tied weight
+  all-gathered for a replicated embedding and a batch-split head is reduce-scattered back).
 * ``grad_sync`` (``gradient_reductions``): collectives that bring each parameter's gradient (Partial
   on axes where its consumers split a letter it lacks) to its storage placement after backward;
   and the implicit reductions of gradients that arrive Partial at non-parameter producers, once
@@ -106,6 +108,7 @@ def redistributions(g: GraphDocument, nodes: list[GraphNode], chosen: Mapping[st
     edges, fwd, bwd = [], [], []
     #: (value ref, placement) already redistributed: later consumers reuse it (runtime execute.py)
     redistributed: set[tuple[str, tuple, str | None]] = set()
+    copy_grads = copy_gradients(nodes, chosen, by_id, moved_dtypes)
     arriving: dict[str, dict[tuple, int]] = {}
     for n in nodes:
         s = chosen[n.id]
@@ -124,8 +127,9 @@ def redistributions(g: GraphDocument, nodes: list[GraphNode], chosen: Mapping[st
                     redistributed.add((ref, dst_pl, dtype))
                     f_c = reshard(src_pl, dst_pl, bytes_as(nbytes, meta.dtype, dtype), mesh, cost.links,
                                   cost.overhead_s, cost.all_to_all)
+                    summed = partial_union(copy_grads[(ref, dst_pl, dtype)], grad_pl)
                     grad_nbytes = cost.reduced_grad_nbytes(by_id[src_id], o, dtype)
-                    b_c = reshard(grad_pl, backward_target(grad_pl, src_pl), nbytes if grad_nbytes is None
+                    b_c = reshard(summed, backward_target(summed, src_pl), nbytes if grad_nbytes is None
                                   else grad_nbytes, mesh, cost.links, cost.overhead_s,
                                   cost.all_to_all) if needs_grad else ()
                 fwd += collective_dicts(f_c, "forward", where)
@@ -138,6 +142,20 @@ def redistributions(g: GraphDocument, nodes: list[GraphNode], chosen: Mapping[st
                 grad_nbytes = cost.reduced_grad_nbytes(by_id[src_id], o, None)
                 arriving.setdefault(owner, {}).setdefault(grad_pl, nbytes if grad_nbytes is None else grad_nbytes)
     return edges, fwd, bwd, arriving
+
+
+def copy_gradients(nodes: list[GraphNode], chosen: Mapping[str, Strategy], by_id: Mapping[str, GraphNode],
+                   moved_dtypes: Mapping[tuple[str, int], str]) -> dict[tuple, list[Placements]]:
+    """(value ref, placement, dtype) of each redistributed copy -> the gradient placements its consumers
+    give it, in graph order (``redistributions`` keys copies the same way)."""
+    out: dict[tuple, list[Placements]] = {}
+    for n in nodes:
+        s = chosen[n.id]
+        for k, ref in enumerate(n.inputs):
+            src_id, o = split_ref(ref)
+            if output_placement(chosen, by_id[src_id], o) != s.inputs[k]:
+                out.setdefault((ref, s.inputs[k], moved_dtypes.get((n.id, k))), []).append(s.input_grads[k])
+    return out
 
 
 def gradient_reductions(g: GraphDocument, chosen: Mapping[str, Strategy], cost: CostModel,
