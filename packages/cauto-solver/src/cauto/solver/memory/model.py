@@ -298,7 +298,7 @@ class MemoryModel:
             n = by_id[node_id]
             src_id, o = split_ref(n.inputs[k])
             meta = by_id[src_id].outputs[o]
-            if _saves_inputs(n) and len(meta.shape) >= 2:
+            if saves_inputs(n) and len(meta.shape) >= 2:
                 self.saved_casts.setdefault(node_id, {})[k] = bytes_as(meta.bytes, meta.dtype, dtype)
 
     def calibrate(self, nodes: list[GraphNode], replicated: dict[str, Strategy], measured_peak: int,
@@ -370,7 +370,7 @@ def redistributed_saves(nodes: list[GraphNode], chosen: Mapping[str, Strategy],
             key = f"{src_id}#{o}"
             if chosen[src_id].outputs[o] == s.inputs[k]:
                 direct.add(key)
-            elif _saves_inputs(n):
+            elif saves_inputs(n):
                 moved.setdefault(key, {}).setdefault((s.inputs[k], moved_dtypes.get((n.id, k))), n.id)
     return moved, direct
 
@@ -390,7 +390,7 @@ def _undominated(extras: dict[str, int], mesh_shape: tuple[int, ...]) -> dict[st
     return {n: b for b, n in kept}
 
 
-def _saves_inputs(node: GraphNode) -> bool:
+def saves_inputs(node: GraphNode) -> bool:
     """Whether an op keeps its (activation) inputs for backward: matmuls, attention, convolutions, norms."""
     lab = node.labels
     return lab is not None and lab.rule in _SAVES_INPUTS

@@ -42,7 +42,7 @@ from cauto.plan import split_ref
 from cauto.plan.dtypes import is_floating
 from cauto.plan.precision import bytes_as
 from cauto.solver.cost.reshard import backward_target, retained_bytes, staging_copies
-from cauto.solver.memory.model import MemoryModel, input_placements, redistributed_saves
+from cauto.solver.memory.model import MemoryModel, input_placements, redistributed_saves, saves_inputs
 from cauto.solver.strategies.node import Strategy, output_placement, shard_count
 
 
@@ -98,17 +98,30 @@ class _Nesting:
 
 
 def _saved_bytes(walk: _Walk, moved: dict, direct: set) -> dict[str, int]:
-    """op id -> what it keeps for backward (model.py's terms, the parameters it gathered included)."""
+    """op id -> what it keeps for backward (model.py's terms, the parameters it gathered included, and
+    the redistributed copy of a user input it saves: a batch-sliced image all-gathered into a replicated
+    convolution, counted at the first consumer that saves it, per placement and dtype)."""
     memory, chosen, by_id = walk.memory, walk.chosen, walk.by_id
     saved: dict[str, int] = {}
+    inputs_moved: set[tuple] = set()
     for n in walk.ops:
         s = chosen[n.id]
         b = memory.saved_after_redistribution(n, s, moved, direct,
                                               input_placements(n, by_id, chosen))
         for k, ref in enumerate(n.inputs):
-            src = by_id.get(split_ref(ref)[0])
-            if src is not None and src.kind == "param" and k < len(s.inputs):
+            src_id, o = split_ref(ref)
+            src = by_id.get(src_id)
+            if src is None or k >= len(s.inputs):
+                continue
+            if src.kind == "param":
                 b += memory.gathered_bytes(n, src, output_placement(walk.chosen, src), s.inputs[k], k)
+            elif src.kind == "input" and memory.train and saves_inputs(n):
+                have, dtype = output_placement(chosen, src, o), memory.moved_dtypes.get((n.id, k))
+                if have != s.inputs[k] and (ref, s.inputs[k], dtype) not in inputs_moved:
+                    inputs_moved.add((ref, s.inputs[k], dtype))
+                    meta = src.outputs[o]
+                    b += retained_bytes(have, s.inputs[k], bytes_as(meta.bytes, meta.dtype, dtype),
+                                        memory.mesh_shape, memory.all_to_all)
         saved[n.id] = b
     return saved
 
