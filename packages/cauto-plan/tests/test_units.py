@@ -53,6 +53,9 @@ def test_format_bytes():
     assert format_bytes(1536, digits=1, plain_unit="bytes") == "1.5 KiB"
     assert format_bytes(100, digits=1, plain_unit="bytes") == "100 bytes"
     assert format_bytes(2 << 40) == "2048.00 GiB" and format_bytes(2 << 40, largest="TiB") == "2.00 TiB"
+    # a fixed unit at any size (the solver's error text, the memory SVG's labels)
+    assert format_bytes(400 << 10, digits=1, unit="MiB") == "0.4 MiB"
+    assert format_bytes(5 << 30, digits=1, unit="MiB", grouping=True) == "5,120.0 MiB"
 
 
 def _old_solver_chunk_elems(numels, group_size, budget_bytes):

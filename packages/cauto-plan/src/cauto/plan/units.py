@@ -43,9 +43,14 @@ def parse_bytes(size: int | str) -> int:
     return int(value * scale)
 
 
-def format_bytes(n: float, *, digits: int = 2, plain_unit: str = "B", largest: str = "GiB") -> str:
+def format_bytes(n: float, *, digits: int = 2, plain_unit: str = "B", largest: str = "GiB", unit: str | None = None,
+                 grouping: bool = False) -> str:
     """``n`` bytes as text: "1.50 GiB" (``digits`` decimals, binary units up to ``largest``), or whole
-    bytes below 1 KiB ("512 B"; ``plain_unit`` names them)."""
+    bytes below 1 KiB ("512 B"; ``plain_unit`` names them). ``unit`` ("MiB"): always in that unit, at any
+    size ("0.4 MiB"); ``grouping``: thousands separated by commas ("1,024.0 MiB")."""
+    if unit is not None:
+        size = dict(_BINARY)[unit]
+        return f"{n / size:{',' if grouping else ''}.{digits}f} {unit}"
     units = _BINARY[[u for u, _ in _BINARY].index(largest):]
     for unit, size in units:
         if abs(n) >= size:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from cauto.plan.units import format_bytes
+
 
 class SolverError(ValueError):
     """The inputs cannot be planned (bad mesh, bad cluster spec, unsupported graph) or the solver failed."""
@@ -43,4 +45,4 @@ def _digits(budget_bytes: int, needed_bytes: int) -> int:
 
 
 def _mib(n: int, digits: int = 1) -> str:
-    return f"{n / (1 << 20):.{digits}f} MiB"
+    return format_bytes(n, digits=digits, unit="MiB")

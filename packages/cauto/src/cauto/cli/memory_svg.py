@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import html
 
+from cauto.plan.units import format_bytes
+
 WIDTH_PX, HEIGHT_PX, PAD_PX = 560, 280, 48
 OFF_CHART = 3.0
 """A budget more than this many times the highest value drawn is written, not drawn."""
@@ -22,7 +24,7 @@ PEAK_COLOR, BUDGET_COLOR, MEASURED_COLOR, LINE_COLOR = "#d93025", "#188038", "#8
 
 def mib(n: float) -> str:
     """Bytes as ``12.3 MiB``."""
-    return f"{n / 2**20:,.1f} MiB"
+    return format_bytes(n, digits=1, unit="MiB", grouping=True)
 
 
 class _Frame:
