@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from cauto.api import autoparallelize
+from cauto.runtime.data import BatchSlice
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=20, help="optimizer steps")
@@ -33,6 +34,10 @@ parser.add_argument("--save-every", type=int, default=0, help="checkpoint every 
 parser.add_argument("--save-dir", default="checkpoints/hf_gpt2")
 parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")
 parser.add_argument("--tiny", action="store_true", help="a tiny model and dataset (CI)")
+parser.add_argument("--mixed-precision", default="bf16", choices=["bf16", "none"],
+                    help="bf16 compute over fp32 master weights and optimizer state (autocast), or none")
+parser.add_argument("--reduce-dtype", default="fp32", choices=["fp32", "bf16"],
+                    help="dtype of the gradient reductions under --mixed-precision bf16")
 args = parser.parse_args()
 
 SEQ, VOCAB = (16, 128) if args.tiny else (64, 1000)
@@ -45,6 +50,7 @@ torch.manual_seed(0)
 example = {"input_ids": torch.zeros(args.micro_batch, SEQ, dtype=torch.long),
            "labels": torch.zeros(args.micro_batch, SEQ, dtype=torch.long)}
 model = autoparallelize(lambda: GPT2LMHeadModel(config), example, (dist.get_world_size(),), memory_budget="1GiB",
+                        mixed_precision=args.mixed_precision, reduce_dtype=args.reduce_dtype,
                         make_optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=args.lr, weight_decay=0.01))
 opt = model.optimizer
 
@@ -66,7 +72,12 @@ scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor, last_epoch=start -
 # A fine-tuning set (random tokens here); each rank loads its slice of each micro-batch.
 data = torch.randint(0, VOCAB, (args.micro_batch * args.accumulate * 8, SEQ), generator=torch.Generator().manual_seed(1))
 dataset = TensorDataset(data)
-part = model.batch_slice()
+try:
+    part = model.batch_slice()  # which slice of each micro-batch this rank loads
+except ValueError as why:  # the plan splits the inputs unevenly (labels, not tokens): every rank loads it all
+    if rank == 0:
+        print(f"every rank loads whole micro-batches: {why}")
+    part = BatchSlice(index=0, count=1, axes=())
 sampler = part.sampler(dataset, shuffle=True, seed=0)
 loader = DataLoader(dataset, batch_size=part.local_batch(args.micro_batch), sampler=sampler, drop_last=True)
 steps_per_epoch = len(loader) // args.accumulate

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from cauto.api import autoparallelize
 from cauto.profiler.zoo import Llama
+from cauto.runtime.data import BatchSlice
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--mesh", default=None, help="e.g. 4 or 2x2 (default: 1-D over all ranks)")
@@ -34,6 +35,10 @@ parser.add_argument("--save-every", type=int, default=0, help="checkpoint every 
 parser.add_argument("--save-dir", default="checkpoints/llama")
 parser.add_argument("--resume", action="store_true")
 parser.add_argument("--tiny", action="store_true", help="a tiny model and token stream (CI)")
+parser.add_argument("--mixed-precision", default="bf16", choices=["bf16", "none"],
+                    help="bf16 compute over fp32 master weights and optimizer state (autocast), or none")
+parser.add_argument("--reduce-dtype", default="fp32", choices=["fp32", "bf16"],
+                    help="dtype of the gradient reductions under --mixed-precision bf16")
 args = parser.parse_args()
 
 SEQ, VOCAB = (16, 128) if args.tiny else (64, 512)
@@ -61,6 +66,7 @@ torch.manual_seed(0)
 example = (torch.zeros(args.micro_batch, SEQ, dtype=torch.long), torch.zeros(args.micro_batch, SEQ, dtype=torch.long))
 model = autoparallelize(lambda: Llama(vocab=VOCAB, seq=SEQ, **size), example, args.mesh or (dist.get_world_size(),),
                         memory_budget=args.memory, checkpoint=args.checkpoint,
+                        mixed_precision=args.mixed_precision, reduce_dtype=args.reduce_dtype,
                         make_optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=args.lr, weight_decay=0.1))
 opt = model.optimizer
 start = model.load(args.save_dir) if args.resume else 0
@@ -80,7 +86,12 @@ scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor, last_epoch=start -
 stream = torch.randint(0, VOCAB, (args.micro_batch * args.accumulate * 8 * SEQ + 1,),
                        generator=torch.Generator().manual_seed(1))
 dataset = Windows(stream)
-part = model.batch_slice()  # which slice of each micro-batch this rank loads
+try:
+    part = model.batch_slice()  # which slice of each micro-batch this rank loads
+except ValueError as why:  # the plan splits the inputs unevenly (labels, not tokens): every rank loads it all
+    if rank == 0:
+        print(f"every rank loads whole micro-batches: {why}")
+    part = BatchSlice(index=0, count=1, axes=())
 sampler = part.sampler(dataset, shuffle=True, seed=0)
 loader = DataLoader(dataset, batch_size=part.local_batch(args.micro_batch), sampler=sampler, drop_last=True)
 steps_per_epoch = len(loader) // args.accumulate
