@@ -16,6 +16,12 @@ CASES = [  # target, mesh, per-device budget, checkpoint, allowed |measured/pred
     # Joint sharding + checkpointing: the budget only fits with recomputation (a region [layer_norm_1 ..
     # add_2] holding two S(2) -> R edges; the tied head weight's shared all-gather reduce-scatters back).
     ("cauto.profiler.zoo:gpt", "4", "1.3MiB", "rotor", 0.05),
+    # 2-D mesh: the local program gathers again in backward only what some op's backward reads (not the
+    # tp all-gather into a region's closing residual add), and a recomputed inner-dimension gather holds
+    # its staging copy next to the input gradient (about 3.5 min to plan, 1 min to run here).
+    ("cauto.profiler.zoo:gpt", "2x2", "1.3MiB", "rotor", 0.05),
+    # a region holding a multi-output op (rotary chunk): its getitems belong to the region (about 3.5 min)
+    ("cauto.profiler.zoo:llama", "2x2", "1.5MiB", "rotor", 0.05),
 ]
 
 

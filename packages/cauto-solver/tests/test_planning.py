@@ -7,6 +7,7 @@ import pytest
 
 from cauto.plan import check_document, check_plan_matches_graph
 from cauto.solver import InfeasibleBudgetError, plan
+from cauto.solver.checkpoint.recompute import recomputed_inputs
 from cauto.solver.cli import main
 
 GRAPH = json.loads((Path(__file__).parent / "data" / "profiled_gpt_graph.json").read_text())
@@ -45,14 +46,12 @@ def test_rotor_plan_names_graph_nodes_and_prices_recompute(make_cluster):
     regions = p["checkpoint"]["regions"]
     assert p["checkpoint"]["method"] == "rotor" and regions
     assert all(node in ids for region in regions for node in region["nodes"])
-    # recompute time = recomputed compute + the collectives of redistributions inside regions, which
-    # recomputation runs again and which the plan lists in phase "backward"
+    # recompute time = recomputed compute + the collectives of redistributions inside regions that the
+    # local program's backward runs again (checkpoint/recompute.py), listed in phase "backward"
     again = [c for c in p["predictions"]["collectives"] if c["where"].startswith("recompute: ")]
-    depth = {}
-    for region in regions:
-        for node in region["nodes"]:
-            depth[node] = depth.get(node, 0) + 1
-    expected = [c for e in p["edges"] for _ in range(depth.get(e["dst"], 0)) for c in e["collectives"]]
+    inside = {e for region in regions for e in region["nodes"]}
+    expected = [c for e in p["edges"] for c in e["collectives"] if e["dst"] in inside
+                and (e["dst"], e["arg"]) in recomputed_inputs(GRAPH, regions, {(d["dst"], d["arg"]) for d in p["edges"]})]
     assert len(again) == len(expected) and all(c["phase"] == "backward" for c in again)
     assert p["predictions"]["step_time_s"]["recompute"] == pytest.approx(
         p["checkpoint"]["recompute_s"] + sum(c["cost_s"] for c in again))

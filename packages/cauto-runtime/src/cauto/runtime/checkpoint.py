@@ -48,11 +48,18 @@ def wrap_regions(gm: torch.fx.GraphModule, regions: list[dict]) -> None:
 
 def _cut(gm: torch.fx.GraphModule, names: set[str], attr: str) -> str:
     graph = gm.graph
-    region = [n for n in graph.nodes if n.op == "call_function"
-              and (n.name in names or n.meta.get("cauto_owner") in names or n.meta.get("cauto_region") in names)]
+    region: list[torch.fx.Node] = []
+    inside: set[torch.fx.Node] = set()
+    for n in graph.nodes:
+        # a multi-output op's outputs are getitem nodes, which the plan does not name (it writes "chunk#1"):
+        # they belong to the op's region
+        if n.op == "call_function" and (n.name in names or n.meta.get("cauto_owner") in names
+                                        or n.meta.get("cauto_region") in names
+                                        or (n.target is operator.getitem and n.args[0] in inside)):
+            region.append(n)
+            inside.add(n)
     if not region:
         raise ValueError(f"checkpoint region {attr} names no node of the graph: {sorted(names)[:3]}...")
-    inside = set(region)
     inputs: list[torch.fx.Node] = []
     for n in region:
         for a in n.all_input_nodes:

@@ -37,7 +37,6 @@ graph_doc, method=...)`` alone is "ILP, then checkpointing at the ILP's split", 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -97,6 +96,9 @@ class JointPoint:
     """For an infeasible point: the least budget this sharding needs (model state + least activations)."""
     device_peak_bytes: int | None = None
     """The node-level walk's peak (memory/walk.py) when the search was given one: the judge of fit."""
+    recompute_communication_s: float = 0.0
+    """Seconds of the collectives recomputation runs again (recompute.py); 0 without a plan document
+    and its graph."""
 
     @property
     def feasible(self) -> bool:
@@ -109,14 +111,6 @@ class JointPoint:
         if not self.feasible:
             return math.inf
         return self.sharding.step_time_s + max(self.checkpoint.recompute_s, 0.0) + self.recompute_communication_s
-
-    @functools.cached_property
-    def recompute_communication_s(self) -> float:
-        """Seconds of the collectives recomputation runs again (recompute.py); 0 without a plan document."""
-        if not self.feasible or not isinstance(self.sharding.plan, dict):
-            return 0.0
-        regions = checkpoint_section(self.checkpoint)["regions"]
-        return sum(c.get("cost_s", 0.0) for c in recompute_collectives(self.sharding.plan, regions))
 
     @property
     def recompute_s(self) -> float:
@@ -176,11 +170,13 @@ FIT_ROUNDS = 4
 
 def evaluate_split(memory_budget_bytes: int, ilp_budget_bytes: int, sharding: ShardingResult | None,
                    chain_for: ChainFor, *, method: str = "auto", slots: int = DEFAULT_SLOTS,
-                   device_peak: DevicePeak | None = None) -> JointPoint:
+                   device_peak: DevicePeak | None = None, graph_doc: dict | None = None) -> JointPoint:
     """The point of a sharding (solved at ``ilp_budget_bytes``): checkpoint within what it leaves of M.
 
     With ``device_peak`` the schedule must also fit by that judge: when its peak exceeds M, the
-    schedule is chosen again for an activation budget smaller by the overshoot (``FIT_ROUNDS`` times)."""
+    schedule is chosen again for an activation budget smaller by the overshoot (``FIT_ROUNDS`` times).
+    With ``graph_doc`` (the graph the sharding plan document was solved for) the point prices the
+    collectives recomputation runs again."""
     M = memory_budget_bytes
     if sharding is None:
         return JointPoint(M, ilp_budget_bytes, None, None)
@@ -194,22 +190,33 @@ def evaluate_split(memory_budget_bytes: int, ilp_budget_bytes: int, sharding: Sh
             need = err.needed_bytes if method == "none" else least_memory(chain).peak_bytes
             need = max(sharding.model_state_bytes + need, least_seen or 0)
             return JointPoint(M, ilp_budget_bytes, sharding, None, needed_bytes=need)
+        again_s = _recompute_communication_s(sharding, choice, graph_doc)
         if device_peak is None or not isinstance(sharding.plan, dict):
-            return JointPoint(M, ilp_budget_bytes, sharding, choice)
+            return JointPoint(M, ilp_budget_bytes, sharding, choice, recompute_communication_s=again_s)
         peak = device_peak(sharding.plan, checkpoint_section(choice)["regions"])
         if peak <= M:
-            return JointPoint(M, ilp_budget_bytes, sharding, choice, device_peak_bytes=peak)
+            return JointPoint(M, ilp_budget_bytes, sharding, choice, device_peak_bytes=peak,
+                              recompute_communication_s=again_s)
         least_seen = peak if least_seen is None else min(least_seen, peak)
         activation_budget -= max(peak - M, M // 100)
     return JointPoint(M, ilp_budget_bytes, sharding, None, needed_bytes=least_seen)
 
 
+def _recompute_communication_s(sharding: ShardingResult, choice: CheckpointChoice, graph_doc: dict | None) -> float:
+    if graph_doc is None or not isinstance(sharding.plan, dict):
+        return 0.0
+    regions = checkpoint_section(choice)["regions"]
+    return sum(c.get("cost_s", 0.0) for c in recompute_collectives(sharding.plan, regions, graph_doc))
+
+
 def solve_joint(memory_budget_bytes: int, solve_sharding: SolveSharding, chain_for: ChainFor, *,
                 grid_points: int = 8, refine_steps: int = 4, fixed_factor: float = DEFAULT_FIXED_FACTOR,
-                slots: int = DEFAULT_SLOTS, device_peak: DevicePeak | None = None) -> JointResult:
+                slots: int = DEFAULT_SLOTS, device_peak: DevicePeak | None = None,
+                graph_doc: dict | None = None) -> JointResult:
     """Search the split of ``memory_budget_bytes`` between sharding and checkpointing (module docstring).
 
-    ``device_peak``, when given, judges each point's fit (evaluate_split)."""
+    ``device_peak``, when given, judges each point's fit; ``graph_doc`` prices recomputed collectives
+    (evaluate_split)."""
     M = int(memory_budget_bytes)
     if M <= 0 or grid_points < 2:
         raise ValueError(f"need a positive memory budget and grid_points ≥ 2, got {M} and {grid_points}")
@@ -228,7 +235,7 @@ def solve_joint(memory_budget_bytes: int, solve_sharding: SolveSharding, chain_f
         key = (method, None if r is None else (r.model_state_bytes, r.activation_bytes, r.step_time_s))
         if r is None or key not in by_sharding:
             by_sharding[key] = evaluate_split(M, budget, r, chain_for, method=method, slots=slots,
-                                              device_peak=device_peak)
+                                              device_peak=device_peak, graph_doc=graph_doc)
         p = by_sharding[key]
         return p if p.ilp_budget_bytes == budget else dataclasses.replace(p, ilp_budget_bytes=budget)
 
@@ -272,7 +279,7 @@ def joint_plan(graph_doc: dict, memory_budget_bytes: int, solve_sharding: SolveS
                                              activation_scale=activation_scale))
         return cache[key][1]
 
-    return solve_joint(memory_budget_bytes, solve_sharding, chain_for, **kwargs)
+    return solve_joint(memory_budget_bytes, solve_sharding, chain_for, graph_doc=graph_doc, **kwargs)
 
 
 def device_dict(cluster) -> dict:
@@ -342,7 +349,7 @@ def checkpointed(plan_doc: dict, graph_doc: dict, *, method: str = "auto", memor
                             activation_scale=activation_scale)
         choice = choose_schedule(chain, int(budget) - sharding.model_state_bytes, method, slots=slots)
     section = checkpoint_section(choice)
-    again = recompute_collectives(plan_doc, section["regions"])
+    again = recompute_collectives(plan_doc, section["regions"], graph_doc)
     again_s = sum(c.get("cost_s", 0.0) for c in again)
     times = dict(pred["step_time_s"])
     times["recompute"] = section["recompute_s"] + again_s

@@ -94,7 +94,7 @@ def build_chain(graph_doc: dict, *, shard_scale: ShardScale | None = None, max_s
     P = len(ops)
     pos = {n["id"]: p for p, n in enumerate(ops)}
     div = {n["id"]: _divisors(shard_scale, n["id"]) for n in nodes}
-    tensors = _tensors(nodes, pos, div, _needs_grad(nodes), P)
+    tensors = _tensors(nodes, pos, div, needs_grad(nodes), P)
     keys = list(tensors)
     count, size_at, key_sum = _live_across(tensors, P)
     fwd_of = [_phase_s(n.get("fwd_flops", 0.0), n.get("fwd_bytes", 0.0), n.get("fwd_time_s", 0.0),
@@ -129,7 +129,7 @@ def build_chain(graph_doc: dict, *, shard_scale: ShardScale | None = None, max_s
                  stage_nodes=stage_nodes, const_bytes=int(const_bytes))
 
 
-def _needs_grad(nodes: list[dict]) -> dict[str, bool]:
+def needs_grad(nodes: list[dict]) -> dict[str, bool]:
     """node id -> whether its outputs need a gradient (module docstring: activations)."""
     grad: dict[str, bool] = {}
     for n in nodes:

@@ -162,6 +162,18 @@ def staging_copies(src: Placements, dst: Placements, mesh_shape: tuple[int, ...]
     return 0
 
 
+def gather_staging_copies(src: Placements, dst: Placements, mesh_shape: tuple[int, ...]) -> int:
+    """Full-size copies (of the result at ``dst``) that redistributing ``src`` -> ``dst`` makes next to
+    its result, as the local program runs it: an all-gather of an inner dimension gathers the chunks
+    stacked on dimension 0 and then ``cat``s them into place (1); the last such step holds the largest
+    pair. Any other collective: 0. Measured on gloo (zoo GPT, a row-split MLP's input gathered again by
+    recomputation in backward, next to the gradient of the same size)."""
+    for axis, c, t in transform_steps(src, dst, mesh_shape):
+        if mesh_shape[axis] > 1 and _step_op(c, t, all_to_all=False) == "all_gather" and c != "S(0)":
+            return 1
+    return 0
+
+
 def retained_bytes(src: Placements, dst: Placements, nbytes: int, mesh_shape: tuple[int, ...],
                    all_to_all: bool = True) -> int:
     """Bytes per device that the result of redistributing a tensor of ``nbytes`` (global) from

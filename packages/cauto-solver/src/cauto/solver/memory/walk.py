@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from cauto.plan import split_ref
 from cauto.plan.dtypes import is_floating
 from cauto.plan.precision import bytes_as
-from cauto.solver.cost.reshard import backward_target, retained_bytes, staging_copies
+from cauto.solver.checkpoint.recompute import reads_input
+from cauto.solver.cost.reshard import backward_target, gather_staging_copies, retained_bytes, staging_copies
 from cauto.solver.memory.model import MemoryModel, input_placements, redistributed_saves, saves_inputs
 from cauto.solver.strategies.node import Strategy, output_placement, shard_count
 
@@ -289,7 +290,8 @@ def _backward_points(walk: _Walk, nesting: _Nesting, saved: dict[str, int], stat
                     staged = max(staged, grad * staging_copies(s.input_grads[k], target, memory.mesh_shape),
                                  walk.dev_bytes(src, o, target))
         grads += pending[t]
-        scratch = max(memory.transient_bytes(n, s), memory.backward_workspace_bytes(n))
+        scratch = max(memory.transient_bytes(n, s), memory.backward_workspace_bytes(n),
+                      _regathered_bytes(walk, nesting, n))
         here = state + live + grads + out_grads + in_grads + scratch
         if not members:  # at least what the calibrated model says (model.py: all saved + n's backward extra)
             here = max(here, state + saved_upto[None][-1] + memory.backward_extra_beside_workspace(n, s))
@@ -299,6 +301,24 @@ def _backward_points(walk: _Walk, nesting: _Nesting, saved: dict[str, int], stat
                            + staged))
         grads -= pending[t]
     return points
+
+
+def _regathered_bytes(walk: _Walk, nesting: _Nesting, n) -> int:
+    """The staging copy of an input that the local program gathers again for ``n``'s backward: a region
+    op whose backward reads an input that reaches it by an all-gather of an inner dimension
+    (checkpoint/recompute.py) has the gathered result and its ``cat`` live at once, while the gradient
+    of its output and of that input are (module doc: Backward)."""
+    if n.id not in nesting.innermost or any(nesting.parent[i] is not None for i in nesting.parent):
+        return 0  # outside regions nothing is gathered again; nested regions run on the interpreter
+    s = walk.chosen[n.id]
+    most = 0
+    for k, pl in enumerate(input_placements(n, walk.by_id, walk.chosen)):
+        if pl is None or k >= len(s.inputs) or pl == s.inputs[k] or not reads_input(n.op, len(n.inputs), k):
+            continue
+        src_id, o = split_ref(n.inputs[k])
+        copies = gather_staging_copies(pl, s.inputs[k], walk.memory.mesh_shape)
+        most = max(most, copies * walk.dev_bytes(walk.by_id[src_id], o, s.inputs[k]))
+    return most
 
 
 def plan_all_to_all(plan_doc) -> bool:
