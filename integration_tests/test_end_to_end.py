@@ -15,7 +15,7 @@ CASES = [  # target, mesh, per-device budget, checkpoint, allowed |measured/pred
     ("cauto.profiler.zoo:llama", "2x2", "2MiB", "none", 0.05),
     # Joint sharding + checkpointing: the budget only fits with recomputation (a region [layer_norm_1 ..
     # add_2] holding two S(2) -> R edges; the tied head weight's shared all-gather reduce-scatters back).
-    ("cauto.profiler.zoo:gpt", "4", "1.3MiB", "rotor", 0.05),
+    ("cauto.profiler.zoo:gpt", "4", "1.25MiB", "rotor", 0.05),
     # 2-D mesh: the local program gathers again in backward only what some op's backward reads (not the
     # tp all-gather into a region's closing residual add), and a recomputed inner-dimension gather holds
     # its staging copy next to the input gradient (about 3.5 min to plan, 1 min to run here).
