@@ -161,6 +161,7 @@ def main():
                                 ckpt=os.path.join(out, "ckpt")))
         results.append(scenario("gpt_bf16", gpt_factory, adamw, gpt_batch, 0.3, rank, world,
                                 compute_dtype=torch.bfloat16))
+        dist.barrier()  # every rank past every collective before any closes its connections
         dist.destroy_process_group()
     except Exception:
         results.append({"error": traceback.format_exc()})
