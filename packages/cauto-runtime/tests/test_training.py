@@ -170,3 +170,32 @@ def test_launcher_accumulates_clips_and_verifies_per_optimizer_step(tmp_path):
     from cauto.profiler import zoo
     params = sum(p.numel() for p in zoo.ZOO["gpt"]()[0].parameters())
     assert report["grad_sync"]["executed_buckets"] == 1 and report["grad_sync"]["executed_bytes"] == 4 * params, report
+
+
+def test_batch_slice_of_unevenly_split_inputs_raises_or_gives_the_whole_batch():
+    """A plan that splits one input over the data-parallel axis and replicates another has no single batch
+    slice: ``batch_slice()`` says which inputs differ; ``uneven="whole"`` warns and gives the whole batch
+    (count 1), which the module then cuts per input as the plan places it."""
+    import copy
+
+    from conftest import zoo_capture
+
+    from cauto.plan import PlanDocument
+    from cauto.runtime.data import batch_slice
+    from cauto.runtime.dist_utils import make_mesh
+    plan = plan_for("gpt", GPT, (2,), ["dp"], inputs="S(0)")
+    cap = zoo_capture("gpt", GPT)
+    mesh = make_mesh((2,), ["dp"])
+    inputs = [n.name for n in cap.graph.nodes if n.op == "placeholder" and cap.placeholders[n.name][0] == "input"]
+    assert len(inputs) >= 2
+    assert batch_slice(cap, PlanDocument.from_dict(plan), mesh).count == 2  # evenly split: half each
+    uneven = copy.deepcopy(plan)
+    uneven["nodes"][inputs[1]]["outputs"][0] = ["R"]
+    doc = PlanDocument.from_dict(uneven)
+    with pytest.raises(ValueError, match="no single batch slice"):
+        batch_slice(cap, doc, mesh)
+    with pytest.warns(UserWarning, match="every rank loads whole micro-batches"):
+        whole = batch_slice(cap, doc, mesh, uneven="whole")
+    assert (whole.index, whole.count, whole.axes) == (0, 1, ())
+    with pytest.raises(ValueError, match="expected 'raise' or 'whole'"):
+        batch_slice(cap, doc, mesh, uneven="skip")

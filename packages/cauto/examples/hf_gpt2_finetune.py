@@ -21,7 +21,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from cauto.api import autoparallelize
-from cauto.runtime.data import BatchSlice
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=20, help="optimizer steps")
@@ -72,12 +71,8 @@ scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor, last_epoch=start -
 # A fine-tuning set (random tokens here); each rank loads its slice of each micro-batch.
 data = torch.randint(0, VOCAB, (args.micro_batch * args.accumulate * 8, SEQ), generator=torch.Generator().manual_seed(1))
 dataset = TensorDataset(data)
-try:
-    part = model.batch_slice()  # which slice of each micro-batch this rank loads
-except ValueError as why:  # the plan splits the inputs unevenly (labels, not tokens): every rank loads it all
-    if rank == 0:
-        print(f"every rank loads whole micro-batches: {why}")
-    part = BatchSlice(index=0, count=1, axes=())
+# which slice of each micro-batch this rank loads (the whole of it when the plan splits the inputs unevenly)
+part = model.batch_slice(uneven="whole")
 sampler = part.sampler(dataset, shuffle=True, seed=0)
 loader = DataLoader(dataset, batch_size=part.local_batch(args.micro_batch), sampler=sampler, drop_last=True)
 steps_per_epoch = len(loader) // args.accumulate

@@ -102,6 +102,7 @@ class ParallelModule(nn.Module):
 
     def __init__(self, model: nn.Module, cap: Capture, plan: PlanDocument, mesh: DeviceMesh,
                  executable: execute.ExecutableGraph, bucket_bytes: int, chunked=None, shards=None,
+                 autocast_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
                  lowered: LocalProgram | None = None):
         super().__init__()
         _refuse_held_names(model)
@@ -118,8 +119,8 @@ class ParallelModule(nn.Module):
         self.mesh = mesh
         self.__dict__["chunked"] = chunked
         self.__dict__["lowered"] = lowered
-        #: the plan's mixed-precision compute dtype (None: the parameters' dtype); apply sets it
-        self.autocast_dtype: torch.dtype | None = None
+        #: the plan's mixed-precision compute dtype (None: the parameters' dtype)
+        self.autocast_dtype = autocast_dtype
         self._shards = shards or {}
         self._state = [self._lookup(node) for node in cap.graph.nodes
                        if node.op == "placeholder" and cap.placeholders[node.name][0] != "input"]
@@ -131,7 +132,7 @@ class ParallelModule(nn.Module):
                              if isinstance(x, nn.Parameter) and not isinstance(x, DTensor)}
             plain_grads = _PlainGradPlacements(lowered, self._state)
         self.grad_sync = GradSync([p for p in self.parameters() if isinstance(p, DTensor) or lowered is not None],
-                                  mesh, bucket_bytes, plain_grad_placements=plain_grads)
+                                  mesh, bucket_bytes, plain_grad_placements=plain_grads, reduce_dtype=reduce_dtype)
         if lowered is not None:
             lowered.bucket_bytes = bucket_bytes
             self.grad_sync.in_graph = lowered.grad_buckets
@@ -242,11 +243,12 @@ class ParallelModule(nn.Module):
         from cauto.runtime.clip import clip_grad_norm_
         return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
 
-    def batch_slice(self):
+    def batch_slice(self, uneven: str = "raise"):
         """Which slice of the global batch this rank loads: a ``cauto.runtime.data.BatchSlice`` (``index`` of
-        ``count`` over the plan's data-parallel axes: a DistributedSampler's ``rank`` and ``num_replicas``)."""
+        ``count`` over the plan's data-parallel axes: a DistributedSampler's ``rank`` and ``num_replicas``).
+        ``uneven="whole"``: the whole batch when the plan has no single slice (``data.batch_slice``)."""
         from cauto.runtime.data import batch_slice
-        return batch_slice(self.capture, self.plan, self.mesh)
+        return batch_slice(self.capture, self.plan, self.mesh, uneven)
 
     def input_slices(self) -> dict[str, tuple[slice, ...]]:
         """Per user input: the slice of the global batch this rank must load in local-batch mode."""
@@ -391,8 +393,8 @@ def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, 
     reduce = reduce_dtype(plan)
     lowered = LocalProgram(executable.module, mesh, compile=compile, plan_nodes=plan.nodes,
                            autocast_dtype=compute, reduce_dtype=reduce) if lowering == "local" else None
-    module = ParallelModule(model, cap, plan, mesh, executable, bucket_bytes, lowered=lowered)
-    module.autocast_dtype, module.grad_sync.reduce_dtype = compute, reduce
+    module = ParallelModule(model, cap, plan, mesh, executable, bucket_bytes, lowered=lowered,
+                            autocast_dtype=compute, reduce_dtype=reduce)
     if lowered is not None:
         try:
             lowered.prepare(module._state, [(tuple(n.meta["val"].shape), n.meta["val"].dtype)
@@ -406,8 +408,8 @@ def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, 
             warnings.warn(f"cauto: the local program could not be traced ({exc}); running the plan on DTensors "
                           "(lowering='dtensor'), slower per step, the same computation", stacklevel=2)
             module.grad_sync.remove()
-            module = ParallelModule(model, cap, plan, mesh, executable, bucket_bytes, lowered=None)
-            module.autocast_dtype, module.grad_sync.reduce_dtype = compute, reduce
+            module = ParallelModule(model, cap, plan, mesh, executable, bucket_bytes, lowered=None,
+                                    autocast_dtype=compute, reduce_dtype=reduce)
     module.optimizer = optimizer(module) if optimizer is not None else None
     return module
 

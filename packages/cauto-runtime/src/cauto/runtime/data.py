@@ -26,6 +26,7 @@ has no single batch slice: ``batch_slice()`` raises and ``input_slices()`` gives
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 from torch.distributed.tensor import Replicate, Shard
@@ -61,8 +62,23 @@ class BatchSlice:
                                   drop_last=drop_last)
 
 
-def batch_slice(capture, plan, mesh) -> BatchSlice:
-    """The BatchSlice of this rank for a plan's user inputs (module docstring); ValueError when there is none."""
+def batch_slice(capture, plan, mesh, uneven: str = "raise") -> BatchSlice:
+    """The BatchSlice of this rank for a plan's user inputs (module docstring). When there is none (the plan
+    splits its inputs differently, or one off its batch dimension): ``uneven="raise"`` raises ValueError;
+    ``uneven="whole"`` warns and returns the whole batch (every rank loads whole micro-batches and the module
+    cuts each input as the plan places it: correct, at the cost of loading more)."""
+    if uneven not in ("raise", "whole"):
+        raise ValueError(f"batch_slice(uneven={uneven!r}): expected 'raise' or 'whole'")
+    try:
+        return _batch_slice(capture, plan, mesh)
+    except ValueError as why:
+        if uneven == "raise":
+            raise
+        warnings.warn(f"cauto: every rank loads whole micro-batches: {why}", stacklevel=3)
+        return BatchSlice(index=0, count=1, axes=())
+
+
+def _batch_slice(capture, plan, mesh) -> BatchSlice:
     split: tuple[int, ...] | None = None
     first = None
     for node in capture.graph.nodes:

@@ -177,14 +177,19 @@ class GradSync:
         self._inflight, self._fallback, self._queued = [], [], False
 
     def _moves_in(self, dtype: torch.dtype) -> torch.dtype:
-        """The dtype a gradient of ``dtype`` is reduced in."""
-        return dtype if self.reduce_dtype is None or not dtype.is_floating_point else self.reduce_dtype
+        return reduction_dtype(dtype, self.reduce_dtype)
 
     def remove(self) -> None:
         """Remove the hooks (the parameters' gradients are then left as autograd makes them)."""
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+def reduction_dtype(grad_dtype: torch.dtype, reduce_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a gradient of ``grad_dtype`` is reduced in: mixed precision's ``reduce_dtype`` for a floating
+    gradient, else its own (the one rule of this object's buckets and of the backward graph's)."""
+    return grad_dtype if reduce_dtype is None or not grad_dtype.is_floating_point else reduce_dtype
 
 
 def _local(grad: torch.Tensor) -> torch.Tensor:

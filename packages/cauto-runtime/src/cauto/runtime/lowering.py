@@ -49,6 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from cauto.profiler.capture import tensor_bytes
+from cauto.runtime.grad_sync import reduction_dtype
 
 COLLECTIVE_NAMESPACE = "_c10d_functional"
 
@@ -313,7 +314,7 @@ def bucket_gradient_reductions(gm: torch.fx.GraphModule, mesh: DeviceMesh, bucke
             total = sum(sizes)
             cat = add(aten.cat.default, (flats,))
             cat.meta["val"] = torch.empty(total, dtype=dtype, device="meta")
-            moved = dtype if reduce_dtype is None or not dtype.is_floating_point else reduce_dtype
+            moved = reduction_dtype(dtype, reduce_dtype)
             if moved != dtype:
                 cat = add(aten._to_copy.default, (cat,), {"dtype": moved})
                 cat.meta["val"] = torch.empty(total, dtype=moved, device="meta")

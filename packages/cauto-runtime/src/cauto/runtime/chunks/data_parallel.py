@@ -213,11 +213,12 @@ class ChunkedParallelModule(nn.Module):
         from cauto.runtime.clip import clip_grad_norm_
         return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
 
-    def batch_slice(self):
+    def batch_slice(self, uneven: str = "raise"):
         """Which slice of the global batch this rank loads: a ``cauto.runtime.data.BatchSlice`` (``index`` of
-        ``count`` over the plan's data-parallel axes: a DistributedSampler's ``rank`` and ``num_replicas``)."""
+        ``count`` over the plan's data-parallel axes: a DistributedSampler's ``rank`` and ``num_replicas``).
+        ``uneven="whole"``: the whole batch when the plan has no single slice (``data.batch_slice``)."""
         from cauto.runtime.data import batch_slice
-        return batch_slice(self.capture, self.plan, self.mesh)
+        return batch_slice(self.capture, self.plan, self.mesh, uneven)
 
     def input_slices(self) -> dict[str, tuple[slice, ...]]:
         """Per user input: the slice of the global batch this rank uses (what local-batch mode passes)."""
