@@ -7,7 +7,8 @@ ColossalAI solves the ILP first (with full activations in its memory model) and 
 is left; the two never meet. Here the split is searched:
 
     for ILP budgets B from M (full activations must fit: "ILP only") up to the budget the
-    unconstrained sharding needs, on a geometric grid refined around the best point:
+    unconstrained sharding needs, on the sharding ladder's points (below) plus M and the
+    fixed split, refined around the best point:
         r    = solve_sharding(B)               # believes full activations; B > M lets it pick
                                                # faster, less sharded plans
         left = M − r.model_state_bytes         # what the activations really get
@@ -19,6 +20,19 @@ Each point's activation share is left / M. The grid contains B = M and B = fixed
 baselines (``ilp_only``: no recompute; ``fixed_split``: ILP at a fixed inflated budget, then
 rotor on the rest), so the joint answer is never slower than either at any budget, and it is
 feasible wherever one of the splits it tries is, including budgets where both baselines fail.
+
+Monotonic and honest (issue 22). A search whose points all depend on M is not monotonic: the
+shardings it tries at one budget are not those it tries at another, so a plan found at 1.17 MB
+with a 1.06 MB peak was missed at 1.11 MB, and each failure named a different "least". So one part
+of the search does not depend on M: the **sharding ladder**, ILP budgets top·ρ^k (ρ =
+``LADDER_RATIO``) from the unconstrained sharding's need down to the first budget nothing fits,
+and for each sharding on it the rotor least-memory schedule, judged by the device walk. The
+least peak of those is the search's **floor** F, computed the same at every budget. A plan is
+returned only if its peak is at least F (a leaner point found by the M-dependent part at one
+budget would be missed at another), and every ladder point whose peak fits M is a candidate. So:
+the search finds a plan exactly when M ≥ F, whatever M; a plan found at any budget peaks at ≥ F,
+so every budget from its peak up finds one; and an infeasible budget's "least" is F, the least
+the search can reach, the same at every budget.
 
 Interface with the sharding solver: ``solve_sharding(memory_budget_bytes | None) -> ShardingResult
 | None`` (None budget: no memory limit; None result: nothing fits). ``cauto.solver.planning.
@@ -49,6 +63,7 @@ from cauto.solver.checkpoint.api import (
     checkpoint_section,
     choose_schedule,
     format_bytes,
+    least_memory_choice,
 )
 from cauto.solver.checkpoint.chain import Chain
 from cauto.solver.checkpoint.linearize import DEFAULT_MAX_STAGES, ShardScale, build_chain
@@ -62,6 +77,12 @@ UNLIMITED_BYTES = 1 << 50
 
 DEFAULT_FIXED_FACTOR = 2.0
 """The fixed-split baseline plans sharding for 2·M ("checkpointing will halve the activations")."""
+
+LADDER_RATIO = 0.8
+"""The sharding ladder's step: ILP budgets top·0.8^k (module docstring)."""
+
+LADDER_MAX_POINTS = 20
+"""The most ILP budgets on the ladder (0.8^19: a hundredth of the unconstrained need)."""
 
 
 @dataclass(frozen=True)
@@ -144,10 +165,16 @@ class JointResult:
     ilp_only: JointPoint
     fixed_split: JointPoint
     points: tuple[JointPoint, ...]
+    floor_bytes: int | None = None
+    """The least peak the search reaches at any budget (the ladder's leanest point, module docstring);
+    None when no ladder point has a schedule."""
 
     @property
     def needed_bytes(self) -> int | None:
-        """When nothing fits: the least budget any evaluated split needs."""
+        """When nothing fits: the least budget the search finds a plan for (its floor), else the least any
+        evaluated split needs."""
+        if self.floor_bytes is not None:
+            return self.floor_bytes
         needs = [p.needed_bytes for p in self.points if p.needed_bytes is not None]
         return min(needs) if needs else None
 
@@ -202,6 +229,41 @@ def evaluate_split(memory_budget_bytes: int, ilp_budget_bytes: int, sharding: Sh
     return JointPoint(M, ilp_budget_bytes, sharding, None, needed_bytes=least_seen)
 
 
+def least_memory_point(memory_budget_bytes: int, ilp_budget_bytes: int, sharding: ShardingResult,
+                       chain_for: ChainFor, *, device_peak: DevicePeak | None = None,
+                       graph_doc: dict | None = None) -> JointPoint:
+    """A sharding with rotor's least-memory schedule (the ladder's points): its peak does not depend on
+    the budget; the point is feasible when that peak fits ``memory_budget_bytes``, else it carries the
+    peak as ``needed_bytes``."""
+    M = memory_budget_bytes
+    choice = least_memory_choice(chain_for(sharding.shard_scale))
+    if device_peak is not None and isinstance(sharding.plan, dict):
+        peak = device_peak(sharding.plan, checkpoint_section(choice)["regions"])
+    else:
+        peak = sharding.model_state_bytes + choice.simulation.peak_bytes
+    if peak > M:
+        return JointPoint(M, ilp_budget_bytes, sharding, None, needed_bytes=peak)
+    return JointPoint(M, ilp_budget_bytes, sharding, choice, device_peak_bytes=peak,
+                      recompute_communication_s=_recompute_communication_s(sharding, choice, graph_doc))
+
+
+def sharding_ladder(solve_sharding: SolveSharding, top_bytes: int,
+                    solved: dict[int, ShardingResult | None]) -> list[int]:
+    """The ILP budgets of the sharding ladder (module docstring), top first: top·ρ^k down to and
+    including the first budget nothing fits (at most LADDER_MAX_POINTS). Solves into ``solved``."""
+    budgets = []
+    for k in range(LADDER_MAX_POINTS):
+        b = int(top_bytes * LADDER_RATIO ** k)
+        if b <= 0:
+            break
+        if b not in solved:
+            solved[b] = solve_sharding(b)
+        budgets.append(b)
+        if solved[b] is None:
+            break
+    return budgets
+
+
 def _recompute_communication_s(sharding: ShardingResult, choice: CheckpointChoice, graph_doc: dict | None) -> float:
     if graph_doc is None or not isinstance(sharding.plan, dict):
         return 0.0
@@ -210,7 +272,7 @@ def _recompute_communication_s(sharding: ShardingResult, choice: CheckpointChoic
 
 
 def solve_joint(memory_budget_bytes: int, solve_sharding: SolveSharding, chain_for: ChainFor, *,
-                grid_points: int = 8, refine_steps: int = 4, fixed_factor: float = DEFAULT_FIXED_FACTOR,
+                refine_steps: int = 4, fixed_factor: float = DEFAULT_FIXED_FACTOR,
                 slots: int = DEFAULT_SLOTS, device_peak: DevicePeak | None = None,
                 graph_doc: dict | None = None) -> JointResult:
     """Search the split of ``memory_budget_bytes`` between sharding and checkpointing (module docstring).
@@ -218,13 +280,23 @@ def solve_joint(memory_budget_bytes: int, solve_sharding: SolveSharding, chain_f
     ``device_peak``, when given, judges each point's fit; ``graph_doc`` prices recomputed collectives
     (evaluate_split)."""
     M = int(memory_budget_bytes)
-    if M <= 0 or grid_points < 2:
-        raise ValueError(f"need a positive memory budget and grid_points ≥ 2, got {M} and {grid_points}")
+    if M <= 0:
+        raise ValueError(f"need a positive memory budget, got {M}")
     free = solve_sharding(None)
     if free is None:
         raise SolverError("the sharding solver found no plan even without a memory limit")
-    top = max(M, free.model_state_bytes + free.activation_bytes)
-    solved: dict[int, ShardingResult | None] = {}
+    need_free = free.model_state_bytes + free.activation_bytes
+    top = max(M, need_free)
+    solved: dict[int, ShardingResult | None] = {need_free: free}
+    ladder = sharding_ladder(solve_sharding, need_free, solved)
+    floor_points: dict[tuple, JointPoint] = {}
+    for b in ladder:
+        r = solved[b]
+        key = None if r is None else (r.model_state_bytes, r.activation_bytes, r.step_time_s)
+        if r is not None and key not in floor_points:
+            floor_points[key] = least_memory_point(M, b, r, chain_for, device_peak=device_peak, graph_doc=graph_doc)
+    floors = [p.peak_bytes if p.feasible else p.needed_bytes for p in floor_points.values()]
+    floor = min(floors) if floors else None
     by_sharding: dict[tuple, JointPoint] = {}
     points: dict[int, JointPoint] = {}
 
@@ -241,9 +313,7 @@ def solve_joint(memory_budget_bytes: int, solve_sharding: SolveSharding, chain_f
 
     ilp_only = evaluate(M, "none")
     fixed = evaluate(int(fixed_factor * M), "rotor")
-    budgets = {M, min(int(fixed_factor * M), top), top}
-    if top > M:
-        budgets |= {int(M * (top / M) ** (k / (grid_points - 1))) for k in range(grid_points)}
+    budgets = {M, min(int(fixed_factor * M), top), top} | {b for b in ladder if M <= b <= top}
     for b in sorted(budgets):
         points[b] = evaluate(b)
     for _ in range(refine_steps):
@@ -255,10 +325,12 @@ def solve_joint(memory_budget_bytes: int, solve_sharding: SolveSharding, chain_f
             break
         for b in fresh:
             points[b] = evaluate(b)
-    candidates = [p for p in (*points.values(), ilp_only, fixed) if p.feasible]
+    # never a plan leaner than the floor: the search would miss it at budgets between (module docstring)
+    candidates = [p for p in (*points.values(), ilp_only, fixed, *floor_points.values())
+                  if p.feasible and (floor is None or p.peak_bytes >= floor)]
     best = min(candidates, key=lambda p: (p.step_time_s, p.peak_bytes)) if candidates else None
     ordered = tuple(points[b] for b in sorted(points))
-    return JointResult(M, best, ilp_only, fixed, ordered)
+    return JointResult(M, best, ilp_only, fixed, ordered, floor_bytes=floor)
 
 
 def joint_plan(graph_doc: dict, memory_budget_bytes: int, solve_sharding: SolveSharding, *,

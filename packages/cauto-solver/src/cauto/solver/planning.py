@@ -125,15 +125,15 @@ def _joint_plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options: P
     checkpoint, solver, time_limit_s = options.checkpoint, options.solver, options.time_limit_s
     graph_doc = graph.to_dict() if isinstance(graph, GraphDocument) else dict(graph)
     budget = cluster.budget_bytes(options.memory_budget_bytes)
-    ilp_only = None
+    ilp_only, ilp_error = None, None
     if checkpoint == "auto":
         try:
             sharding = solve_sharding(graph_doc, cluster, memory_budget=budget, solver=solver,
                                       time_limit_s=time_limit_s, progress=progress,
                                       reduce_dtype=reduce_dtype_name(options))
             ilp_only = replace(sharding, checkpoint=CheckpointSection(dict(ILP_ONLY_CHECKPOINT)))
-        except InfeasibleBudgetError:
-            pass
+        except InfeasibleBudgetError as exc:
+            ilp_error = exc  # names the least the ILP alone fits, which may be below the joint search's floor
     solve_sharding_at = ilp_sharding(graph_doc, cluster, solver=solver, time_limit_s=time_limit_s,
                                      reduce_dtype=reduce_dtype_name(options))
     if progress is not None:
@@ -145,6 +145,8 @@ def _joint_plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options: P
     if result.best is None:
         if ilp_only is not None:
             return ilp_only
+        if ilp_error is not None and ilp_error.needed_bytes <= (result.needed_bytes or ilp_error.needed_bytes):
+            raise InfeasibleBudgetError(budget, ilp_error.needed_bytes, ilp_error.top_tensors)
         raise InfeasibleBudgetError(budget, int(result.needed_bytes or 0), [])
     best = checkpointed(result.best.sharding.plan, graph_doc, method=checkpoint, memory_budget_bytes=budget,
                         choice=result.best.checkpoint, device_peak_bytes=result.best.peak_bytes)

@@ -22,10 +22,11 @@ ProgressFn = Callable[[str, int, int], None]
 CHECKPOINT_PHASE = "checkpoint search"
 
 
-def joint_solves_at_most(grid_points: int = 8, refine_steps: int = 4) -> int:
-    """The most sharding solves ``joint.solve_joint`` runs with these settings (its defaults):
-    one without a limit, the two baselines, the grid, two fresh budgets per refinement step."""
-    return 1 + 2 + grid_points + 2 * refine_steps
+def joint_solves_at_most(ladder_points: int = 20, refine_steps: int = 4) -> int:
+    """The most sharding solves ``joint.solve_joint`` runs with these settings (its defaults): one
+    without a limit, the two baselines, the sharding ladder (joint.LADDER_MAX_POINTS), two fresh
+    budgets per refinement step."""
+    return 1 + 2 + ladder_points + 2 * refine_steps
 
 
 def counted(solve_sharding: Callable, progress: ProgressFn, total: int) -> Callable:

@@ -118,6 +118,11 @@ def choose_schedule(chain: Chain, budget_bytes: int | None, method: str = "auto"
     return best
 
 
+def least_memory_choice(chain: Chain) -> CheckpointChoice:
+    """Rotor's exact least-memory schedule of the chain (rotor.least_memory), simulated."""
+    return _choice("rotor", chain, least_memory(chain).schedule)
+
+
 def _choice(method: str, chain: Chain, schedule: Schedule) -> CheckpointChoice:
     return CheckpointChoice(method, chain, schedule, simulate(chain, to_ops(schedule)))
 
