@@ -127,6 +127,28 @@ def test_tensor_parallel_plan_with_chunked_data_parallel_state_trains_on_four_ra
         assert r["collectives"]["executed"] == r["collectives"]["predicted"], r["collectives"]
 
 
+def test_llama_at_one_mib_measures_what_the_plan_predicts_on_four_ranks(tmp_path):
+    """Issue 22: the zoo Llama's 2 x 2 plan at a 1 MiB budget measured 18% above its prediction and its
+    second step ran out of arena. The copies the unsharded profile does not show are now counted
+    (solver memory/layout.py: a reshape that copies once a redistribution laid its input out anew;
+    memory/model.py ``saves_input``: RMSNorm's weight multiply keeping its gathered input): the plan
+    trains, and the chunk manager's non-model peak is the prediction within 5% on every rank."""
+    kwargs = dict(batch=4, seq=32, dim=64, layers=2)
+    graph = profile(functools.partial(zoo.llama, **kwargs)).to_graph()
+    p = plan(graph, cluster_for_mesh("cpu-gloo", (2, 2)), memory_budget=2**20, offload="chunked", offload_axes=(0,))
+    off = p["offload"]
+    predicted = p["predictions"]["peak_bytes"] - off["working_set_bytes"]
+    job = dict(name="llama", model="llama", kwargs=kwargs, mesh=[2, 2], axis_names=p["mesh"]["axis_names"],
+               check="chunked", program=True, steps=STEPS, lr=LR, plan=p)
+    for rank in _run_ranks()(4, [job], tmp_path, timeout_s=300):
+        r = rank["llama"]
+        assert "error" not in r, r.get("error")
+        for got, want in zip(r["losses"], r["ref_losses"]):
+            assert abs(got - want) <= TOL * max(1.0, abs(want)), r
+        assert abs(r["nonmodel_peak_bytes"] - predicted) <= 0.05 * predicted, (r["nonmodel_peak_bytes"], predicted)
+        assert r["collectives"]["executed"] == r["collectives"]["predicted"], r["collectives"]
+
+
 def test_cli_offload_plan_runs_under_torchrun(cauto, tmp_path):
     """What a user types: the default zoo GPT needs 1.47 MiB per device without offload, 0.97 MiB with it."""
     graph, plan_path = tmp_path / "graph.json", tmp_path / "plan.json"

@@ -65,9 +65,14 @@ VIEW_OPS = frozenset({
 """aten ops whose outputs alias their input: no new memory, and never a cut tensor."""
 
 
-def _is_view(op: str) -> bool:
+def op_name(op: str) -> str:
+    """An aten op's name without namespace and overload (``aten.reshape.default`` -> ``reshape``)."""
     parts = op.split(".")
-    return (parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[0]) in VIEW_OPS
+    return parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[0]
+
+
+def _is_view(op: str) -> bool:
+    return op_name(op) in VIEW_OPS
 
 
 def _phase_s(flops: float, nbytes: float, time_s: float, k: float, device: Mapping) -> float:

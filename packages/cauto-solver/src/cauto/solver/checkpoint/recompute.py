@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections import Counter
 
 from cauto.plan import split_ref
-from cauto.solver.checkpoint.linearize import VIEW_OPS, needs_grad
+from cauto.solver.checkpoint.linearize import VIEW_OPS, needs_grad, op_name
 
 OUTPUT = -1
 """In ``BACKWARD_READS``: the op's own output."""
@@ -59,11 +59,22 @@ BACKWARD_READS: dict[str, dict[int, tuple[int, ...]]] = {
 """aten op (name without namespace and overload) -> {input index: what its gradient reads}."""
 
 
+def _row(op: str) -> dict[int, tuple[int, ...]] | None:
+    return BACKWARD_READS.get(op_name(op))
+
+
 def _reads(op: str, n_inputs: int) -> dict[int, tuple[int, ...]]:
-    parts = op.split(".")
-    name = parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[0]
-    rule = BACKWARD_READS.get(name)
+    rule = _row(op)
     return rule if rule is not None else {i: tuple(range(n_inputs)) for i in range(n_inputs)}
+
+
+def read_inputs(op: str, input_grads: list[bool]) -> set[int] | None:
+    """The inputs the backward of ``op`` reads when input ``i`` needs a gradient where ``input_grads[i]``
+    (``BACKWARD_READS``; its own output left out), or None when the table has no row for ``op``."""
+    rule = _row(op)
+    if rule is None:
+        return None
+    return {j for i, read in rule.items() if i < len(input_grads) and input_grads[i] for j in read if j != OUTPUT}
 
 
 def reads_input(op: str, n_inputs: int, k: int) -> bool:

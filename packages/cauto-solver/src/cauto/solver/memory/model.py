@@ -14,9 +14,12 @@ a training step after the optimizer state exists):
   norm's mean and rstd) scaled by the strategy's shard factor; ``transient_bytes`` (alive only
   while it runs) by the shard factor. A parameter consumed less sharded than stored (ZeRO:
   all-gather before use) leaves the gathered copy saved for the op's backward (``gathered_bytes``;
-  embeddings save only their indices and are exempt). An activation that a matmul-like consumer
-  takes through a redistribution is saved at the consumer's placement instead of the producer's
-  (``predict`` only; the ILP's ``peak`` keeps the producer's).
+  embeddings save only their indices and are exempt). An activation that a consumer saves
+  (``saves_input``: matmul-like ops, and any op whose backward reads it, such as RMSNorm's weight
+  multiply) and takes through a redistribution is saved at the consumer's placement instead of the
+  producer's; a reshape that was a view in the unsharded run but copies because a redistribution
+  changed its input's memory layout adds that copy where a reader saves it (layout.py,
+  ``relaid_copies``). Both ``predict`` only; the ILP's ``peak`` keeps the producer's.
 * Backward: ``state + Σ saved + max_n backward_extra_n``: what the backward of node ``n`` adds on top
   of everything saved (gradients of activations and parameters it creates, less the saved tensors
   already freed). Taken from the graph's memory section: for every backward event of the unsharded
@@ -48,8 +51,10 @@ from collections.abc import Mapping
 from cauto.plan import GraphNode, split_ref
 from cauto.plan.dtypes import ITEMSIZE
 from cauto.plan.precision import bytes_as
+from cauto.solver.checkpoint.recompute import read_inputs
 from cauto.solver.cost.reshard import retained_bytes
 from cauto.solver.memory.casts import entry_casts
+from cauto.solver.memory.layout import activation_inputs, layout_copies, needs_gradient
 from cauto.solver.strategies.node import Strategy, output_placement, shard_count
 
 OPTIMIZER_BYTES_PER_ELEM = {"adam": 8, "adamw": 8, "sgd": 0, "none": 0}
@@ -193,6 +198,7 @@ class MemoryModel:
         by_id = {n.id: n for n in nodes}
         state = sum(self.state_bytes(n, chosen[n.id]) for n in nodes if n.id in chosen)
         moved, direct = redistributed_saves(nodes, chosen, self.moved_dtypes) if exact else ({}, set())
+        copies = relaid_copies(self, nodes, chosen) if exact else {}
         cum, best, best_t = 0, 0, 0
         last_t = 0
         bwd_extra = 0
@@ -203,6 +209,7 @@ class MemoryModel:
             last_t = t
             cum += self.saved_after_redistribution(n, s, moved, direct,
                                                    input_placements(n, by_id, chosen) if exact else None)
+            cum += copies.get(n.id, 0)
             for k, ref in enumerate(n.inputs):
                 src = by_id.get(split_ref(ref)[0])
                 if src is not None and src.kind == "param" and k < len(s.inputs):
@@ -229,8 +236,8 @@ class MemoryModel:
 
     def saved_after_redistribution(self, n: GraphNode, s: Strategy, moved: dict, direct: set,
                                    input_placements: list | None = None) -> int:
-        """saved_bytes, with outputs that only reach matmul-like consumers by redistribution saved at
-        their placement (in the dtype they move in). ``input_placements``: where each input of ``n`` is
+        """saved_bytes, with outputs that only reach the consumers that save them (``saves_input``) by
+        redistribution saved at their placement (in the dtype they move in). ``input_placements``: where each input of ``n`` is
         produced (inputs that reach ``n`` redistributed are counted where they are made)."""
         moved_inputs = frozenset(k for k, pl in enumerate(input_placements or ())
                                  if pl is not None and k < len(s.inputs) and pl != s.inputs[k])
@@ -351,27 +358,20 @@ def input_placements(n: GraphNode, by_id: Mapping[str, GraphNode], chosen: Mappi
 def redistributed_saves(nodes: list[GraphNode], chosen: Mapping[str, Strategy],
                         moved_dtypes: Mapping[tuple[str, int], str] | None = None,
                         ) -> tuple[dict[str, dict[tuple, str]], set[str]]:
-    """Activations a matmul-like consumer saves after a redistribution: (producer ref "id#o" ->
+    """Activations a consumer saves after a redistribution (``saves_input``): (producer ref "id#o" ->
     {(placement it is saved at, dtype it moves in or None): the first consumer, in forward order, that
     saves it there}, producer refs some consumer also takes directly)."""
     moved_dtypes = moved_dtypes or {}
-    by_id = {n.id: n for n in nodes}
     moved: dict[str, dict[tuple, str]] = {}
     direct: set[str] = set()
+    grads: dict[str, bool] = {}
     for n in nodes:
-        if n.kind != "op" or n.id not in chosen:
-            continue
-        s = chosen[n.id]
-        for k, ref in enumerate(n.inputs):
-            src_id, o = split_ref(ref)
-            src = by_id.get(src_id)
-            if src is None or src.kind != "op" or src_id not in chosen or k >= len(s.inputs):
-                continue
-            key = f"{src_id}#{o}"
-            if chosen[src_id].outputs[o] == s.inputs[k]:
-                direct.add(key)
-            elif saves_inputs(n):
-                moved.setdefault(key, {}).setdefault((s.inputs[k], moved_dtypes.get((n.id, k))), n.id)
+        grads[n.id] = needs_gradient(n, grads)
+    for n, k, key, taken_as_made in activation_inputs(nodes, chosen):
+        if taken_as_made:
+            direct.add(key)
+        elif saves_input(n, k, grads):
+            moved.setdefault(key, {}).setdefault((chosen[n.id].inputs[k], moved_dtypes.get((n.id, k))), n.id)
     return moved, direct
 
 
@@ -397,3 +397,21 @@ def saves_inputs(node: GraphNode) -> bool:
 
 
 _SAVES_INPUTS = {"matmul", "attention", "convolution", "norm"}
+
+
+def saves_input(node: GraphNode, k: int, grads: Mapping[str, bool]) -> bool:
+    """Whether op ``node`` keeps its input ``k`` for backward: a matmul-like op (``saves_inputs``) its
+    activations, any op its backward reads for the gradient of an input that needs one (checkpoint/
+    recompute.py ``BACKWARD_READS``; ``grads``: node id -> its outputs need a gradient). RMSNorm's
+    weight multiply (a pointwise ``mul``) keeps its activation for the weight's gradient: taken through
+    a redistribution, it keeps the redistributed copy."""
+    if saves_inputs(node):
+        return True
+    read = read_inputs(node.op, [grads.get(split_ref(ref)[0], False) for ref in node.inputs])
+    return read is not None and k in read
+
+
+def relaid_copies(memory: MemoryModel, nodes: list[GraphNode], chosen: Mapping[str, Strategy]) -> dict[str, int]:
+    """op id -> bytes per device of the copy a reshape makes, and a reader saves, where the plan's
+    redistributions changed its input's memory layout (layout.py), when training."""
+    return layout_copies(nodes, chosen, memory.mesh_shape, saves_input) if memory.train else {}

@@ -7,8 +7,9 @@ execution (non-reentrant ``torch.utils.checkpoint``, early stop off, autograd fr
 saved once its backward ran):
 
 * Forward: a node outside every region keeps its saved bytes (model.py's terms: outputs kept for
-  backward, the copy a matmul-like consumer saves of an activation it took through a
-  redistribution, parameters gathered for use); a region keeps only its inputs (its checkpoint
+  backward, the copy a consumer saves of an activation it took through a redistribution, the copy
+  a reshape makes where a redistribution changed its input's layout, parameters gathered for use);
+  a region keeps only its inputs (its checkpoint
   holds them until its backward); inside a region a node's saved bytes live only while it runs.
 * Backward, node ``n`` in reverse order: state + the saved bytes of every earlier node whose
   innermost region (if any) contains ``n`` (outside regions: saved since forward; inside:
@@ -43,7 +44,14 @@ from cauto.plan.dtypes import is_floating
 from cauto.plan.precision import bytes_as
 from cauto.solver.checkpoint.recompute import reads_input
 from cauto.solver.cost.reshard import backward_target, gather_staging_copies, retained_bytes, staging_copies
-from cauto.solver.memory.model import MemoryModel, input_placements, redistributed_saves, saves_inputs
+from cauto.solver.memory.layout import needs_gradient
+from cauto.solver.memory.model import (
+    MemoryModel,
+    input_placements,
+    redistributed_saves,
+    relaid_copies,
+    saves_input,
+)
 from cauto.solver.strategies.node import Strategy, output_placement, shard_count
 
 
@@ -105,10 +113,14 @@ def _saved_bytes(walk: _Walk, moved: dict, direct: set) -> dict[str, int]:
     memory, chosen, by_id = walk.memory, walk.chosen, walk.by_id
     saved: dict[str, int] = {}
     inputs_moved: set[tuple] = set()
+    copies = relaid_copies(memory, list(by_id.values()), chosen)
+    grads: dict[str, bool] = {}
+    for n in by_id.values():
+        grads[n.id] = needs_gradient(n, grads)
     for n in walk.ops:
         s = chosen[n.id]
         b = memory.saved_after_redistribution(n, s, moved, direct,
-                                              input_placements(n, by_id, chosen))
+                                              input_placements(n, by_id, chosen)) + copies.get(n.id, 0)
         for k, ref in enumerate(n.inputs):
             src_id, o = split_ref(ref)
             src = by_id.get(src_id)
@@ -116,7 +128,7 @@ def _saved_bytes(walk: _Walk, moved: dict, direct: set) -> dict[str, int]:
                 continue
             if src.kind == "param":
                 b += memory.gathered_bytes(n, src, output_placement(walk.chosen, src), s.inputs[k], k)
-            elif src.kind == "input" and memory.train and saves_inputs(n):
+            elif src.kind == "input" and memory.train and saves_input(n, k, grads):
                 have, dtype = output_placement(chosen, src, o), memory.moved_dtypes.get((n.id, k))
                 if have != s.inputs[k] and (ref, s.inputs[k], dtype) not in inputs_moved:
                     inputs_moved.add((ref, s.inputs[k], dtype))
