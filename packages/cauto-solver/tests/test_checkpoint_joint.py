@@ -161,3 +161,24 @@ def test_joint_search_is_monotonic_and_names_the_least_it_reaches(model, mesh):
     assert plan(graph, cluster, memory_budget=least, checkpoint="auto")["predictions"]["peak_bytes"] <= least
     with pytest.raises(InfeasibleBudgetError):
         plan(graph, cluster, memory_budget=least - 1, checkpoint="auto")
+
+
+def test_sharding_solves_are_kept_per_graph_cluster_and_budget():
+    """ilp_sharding keeps recent solves: a second search over the same graph, cluster and budget reuses the
+    first's plan (equal, not shared: mutating one result leaves the kept plan whole); another budget,
+    graph or cluster solves afresh."""
+    from cauto.solver import cluster_for_mesh, planning, synthetic
+    from cauto.solver.planning import ilp_sharding
+    planning._SOLVED.clear()  # other tests' solves may have filled it
+    graph = synthetic.gpt(layers=1)
+    cluster = cluster_for_mesh("cpu-gloo", (2,))
+    first = ilp_sharding(graph, cluster)(None)
+    kept = len(planning._SOLVED)
+    first.plan["predictions"]["peak_bytes"] = -1
+    again = ilp_sharding(dict(graph), cluster)(None)
+    assert len(planning._SOLVED) == kept and again.plan["predictions"]["peak_bytes"] > 0
+    assert again == ilp_sharding(graph, cluster)(None)
+    other = ilp_sharding(synthetic.gpt(layers=2), cluster)(None)
+    assert len(planning._SOLVED) == kept + 1 and other.model_state_bytes > again.model_state_bytes
+    ilp_sharding(graph, cluster_for_mesh("cpu-gloo", (4,)))(None)
+    assert len(planning._SOLVED) == kept + 2

@@ -34,6 +34,10 @@ model's) and ``plan`` builds the document from them once (document.py), with
 
 from __future__ import annotations
 
+import copy
+import hashlib
+import json
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import replace
 
@@ -159,17 +163,37 @@ def _joint_plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options: P
     return joint
 
 
+#: recent sharding solves: (graph digest, cluster, solve options, budget) -> plan document or None (nothing fits)
+_SOLVED: OrderedDict[tuple, dict | None] = OrderedDict()
+#: how many solves a process keeps (a sweep over budgets re-solves the joint search's ladder at each budget)
+SOLVES_KEPT = 64
+
+
 def ilp_sharding(graph_doc: dict, cluster: ClusterSpec, **solve_kwargs) -> SolveSharding:
     """The sharding ILP (``cauto.solver.solve`` on ``cluster``) as the joint search's SolveSharding
-    callback (joint.py): None budget is no memory limit, None result is nothing fits."""
+    callback (joint.py): None budget is no memory limit, None result is nothing fits.
+
+    The joint search's sharding ladder solves the same budgets whatever the memory budget, so the
+    process keeps its last ``SOLVES_KEPT`` solves, keyed by the graph's content, the cluster, the
+    options and the budget (planning a model at several budgets solves each ladder point once)."""
+    digest = hashlib.sha256(json.dumps(graph_doc, sort_keys=True, default=str).encode()).hexdigest()
+    options = (digest, repr(cluster), repr(sorted(solve_kwargs.items())))
 
     def solve_sharding(budget: int | None) -> ShardingResult | None:
+        key = (*options, budget)
+        if key in _SOLVED:
+            _SOLVED.move_to_end(key)
+            kept = _SOLVED[key]
+            return None if kept is None else sharding_result_from_plan(copy.deepcopy(kept))
         try:
             plan = solve(graph_doc, cluster, memory_budget=UNLIMITED_BYTES if budget is None else budget,
                          **solve_kwargs)
         except InfeasibleBudgetError:
-            return None
-        return sharding_result_from_plan(plan)
+            plan = None
+        _SOLVED[key] = copy.deepcopy(plan)
+        while len(_SOLVED) > SOLVES_KEPT:
+            _SOLVED.popitem(last=False)
+        return None if plan is None else sharding_result_from_plan(plan)
 
     return solve_sharding
 
