@@ -26,8 +26,10 @@ shardings it tries at one budget are not those it tries at another, so a plan fo
 with a 1.06 MB peak was missed at 1.11 MB, and each failure named a different "least". So one part
 of the search does not depend on M: the **sharding ladder**, ILP budgets top·ρ^k (ρ =
 ``LADDER_RATIO``) from the unconstrained sharding's need down to the first budget nothing fits,
-and for each sharding on it the rotor least-memory schedule, judged by the device walk. The
-least peak of those is the search's **floor** F, computed the same at every budget. A plan is
+and for each sharding on it the rotor least-memory schedule, judged by the device walk; with
+``least_sharding`` (planning.py passes the ILP's least-memory plan) also that sharding, with no
+recomputation and with the least-memory schedule. The least peak of those is the search's
+**floor** F, computed the same at every budget. A plan is
 returned only if its peak is at least F (a leaner point found by the M-dependent part at one
 budget would be missed at another), and every ladder point whose peak fits M is a candidate. So:
 the search finds a plan exactly when M ≥ F, whatever M; a plan found at any budget peaks at ≥ F,
@@ -231,12 +233,13 @@ def evaluate_split(memory_budget_bytes: int, ilp_budget_bytes: int, sharding: Sh
 
 def least_memory_point(memory_budget_bytes: int, ilp_budget_bytes: int, sharding: ShardingResult,
                        chain_for: ChainFor, *, device_peak: DevicePeak | None = None,
-                       graph_doc: dict | None = None) -> JointPoint:
-    """A sharding with rotor's least-memory schedule (the ladder's points): its peak does not depend on
-    the budget; the point is feasible when that peak fits ``memory_budget_bytes``, else it carries the
-    peak as ``needed_bytes``."""
+                       graph_doc: dict | None = None, recompute: bool = True) -> JointPoint:
+    """A sharding with rotor's least-memory schedule (the ladder's points), or with no recomputation
+    (``recompute=False``): its peak does not depend on the budget; the point is feasible when that peak
+    fits ``memory_budget_bytes``, else it carries the peak as ``needed_bytes``."""
     M = memory_budget_bytes
-    choice = least_memory_choice(chain_for(sharding.shard_scale))
+    chain = chain_for(sharding.shard_scale)
+    choice = least_memory_choice(chain) if recompute else choose_schedule(chain, None, "none")
     if device_peak is not None and isinstance(sharding.plan, dict):
         peak = device_peak(sharding.plan, checkpoint_section(choice)["regions"])
     else:
@@ -274,11 +277,13 @@ def _recompute_communication_s(sharding: ShardingResult, choice: CheckpointChoic
 def solve_joint(memory_budget_bytes: int, solve_sharding: SolveSharding, chain_for: ChainFor, *,
                 refine_steps: int = 4, fixed_factor: float = DEFAULT_FIXED_FACTOR,
                 slots: int = DEFAULT_SLOTS, device_peak: DevicePeak | None = None,
-                graph_doc: dict | None = None) -> JointResult:
+                graph_doc: dict | None = None,
+                least_sharding: Callable[[], ShardingResult | None] | None = None) -> JointResult:
     """Search the split of ``memory_budget_bytes`` between sharding and checkpointing (module docstring).
 
     ``device_peak``, when given, judges each point's fit; ``graph_doc`` prices recomputed collectives
-    (evaluate_split)."""
+    (evaluate_split); ``least_sharding`` gives the sharding solver's least-memory sharding (a floor
+    candidate, as the ladder's)."""
     M = int(memory_budget_bytes)
     if M <= 0:
         raise ValueError(f"need a positive memory budget, got {M}")
@@ -295,8 +300,15 @@ def solve_joint(memory_budget_bytes: int, solve_sharding: SolveSharding, chain_f
         key = None if r is None else (r.model_state_bytes, r.activation_bytes, r.step_time_s)
         if r is not None and key not in floor_points:
             floor_points[key] = least_memory_point(M, b, r, chain_for, device_peak=device_peak, graph_doc=graph_doc)
+    least = least_sharding() if least_sharding is not None else None
+    if least is not None:
+        b = least.model_state_bytes + least.activation_bytes
+        floor_points["least", "rotor"] = least_memory_point(M, b, least, chain_for, device_peak=device_peak,
+                                                            graph_doc=graph_doc)
+        floor_points["least", "none"] = least_memory_point(M, b, least, chain_for, device_peak=device_peak,
+                                                           graph_doc=graph_doc, recompute=False)
     floors = [p.peak_bytes if p.feasible else p.needed_bytes for p in floor_points.values()]
-    floor = min(floors) if floors else None
+    floor = min((f for f in floors if f is not None), default=None)
     by_sharding: dict[tuple, JointPoint] = {}
     points: dict[int, JointPoint] = {}
 

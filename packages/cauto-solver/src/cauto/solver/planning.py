@@ -137,28 +137,31 @@ def _joint_plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options: P
                                       reduce_dtype=reduce_dtype_name(options))
             ilp_only = replace(sharding, checkpoint=CheckpointSection(dict(ILP_ONLY_CHECKPOINT)))
         except InfeasibleBudgetError as exc:
-            ilp_error = exc  # names the least the ILP alone fits, which may be below the joint search's floor
+            ilp_error = exc
     solve_sharding_at = ilp_sharding(graph_doc, cluster, solver=solver, time_limit_s=time_limit_s,
                                      reduce_dtype=reduce_dtype_name(options))
     if progress is not None:
         solve_sharding_at = counted(solve_sharding_at, progress, joint_solves_at_most())
     result = joint_plan(graph_doc, budget, solve_sharding_at, device=device_dict(cluster),
-                        device_peak=device_peak_judge(graph_doc))
+                        device_peak=device_peak_judge(graph_doc),
+                        least_sharding=least_ilp_sharding(graph_doc, cluster, solver=solver, time_limit_s=time_limit_s,
+                                                          reduce_dtype=reduce_dtype_name(options)))
     if progress is not None:
         progress(CHECKPOINT_PHASE, joint_solves_at_most(), joint_solves_at_most())
+    floor = result.floor_bytes or 0
     if result.best is None:
-        if ilp_only is not None:
+        if ilp_only is not None and ilp_only.predictions["peak_bytes"] >= floor:
             return ilp_only
-        if ilp_error is not None and ilp_error.needed_bytes <= (result.needed_bytes or ilp_error.needed_bytes):
-            raise InfeasibleBudgetError(budget, ilp_error.needed_bytes, ilp_error.top_tensors)
-        raise InfeasibleBudgetError(budget, int(result.needed_bytes or 0), [])
+        # the search's floor (joint.py: the same at every budget, and reached); the ILP's words where it is theirs
+        tops = ilp_error.top_tensors if ilp_error is not None and ilp_error.needed_bytes == result.needed_bytes else []
+        raise InfeasibleBudgetError(budget, int(result.needed_bytes or 0), tops)
     best = checkpointed(result.best.sharding.plan, graph_doc, method=checkpoint, memory_budget_bytes=budget,
                         choice=result.best.checkpoint, device_peak_bytes=result.best.peak_bytes)
     # the plan records the method asked for, and the whole budget M (the point's ILP ran under its own)
     joint = PlanSections(result.best.sharding.plan, checkpoint=CheckpointSection(
         {**best.checkpoint, "method": checkpoint}, {**best.predictions, "memory_budget_bytes": budget}))
     if ilp_only is not None and ilp_only.predictions["step_time_s"]["total"] <= \
-            joint.predictions["step_time_s"]["total"]:
+            joint.predictions["step_time_s"]["total"] and ilp_only.predictions["peak_bytes"] >= floor:
         return ilp_only
     return joint
 
@@ -169,6 +172,31 @@ _SOLVED: OrderedDict[tuple, dict | None] = OrderedDict()
 SOLVES_KEPT = 64
 
 
+def least_ilp_sharding(graph_doc: dict, cluster: ClusterSpec, **solve_kwargs):
+    """A callable giving the ILP's least-memory sharding (the joint search's ``least_sharding``): the ILP
+    at a one-byte budget names the least budget it reaches (InfeasibleBudgetError), solved there. Kept
+    with the solves (``ilp_sharding``); None where the ILP names none."""
+    solve_at = ilp_sharding(graph_doc, cluster, **solve_kwargs)
+    key = (*_solve_key(graph_doc, cluster, solve_kwargs), "least")
+
+    def least() -> ShardingResult | None:
+        if key not in _SOLVED:
+            try:
+                solve(graph_doc, cluster, memory_budget=1, **solve_kwargs)
+                _SOLVED[key] = None
+            except InfeasibleBudgetError as exc:
+                _SOLVED[key] = {"needed_bytes": int(exc.needed_bytes or 0)}
+        kept = _SOLVED[key]
+        return solve_at(kept["needed_bytes"]) if kept and kept["needed_bytes"] else None
+
+    return least
+
+
+def _solve_key(graph_doc: dict, cluster: ClusterSpec, solve_kwargs: dict) -> tuple:
+    digest = hashlib.sha256(json.dumps(graph_doc, sort_keys=True, default=str).encode()).hexdigest()
+    return digest, repr(cluster), repr(sorted(solve_kwargs.items()))
+
+
 def ilp_sharding(graph_doc: dict, cluster: ClusterSpec, **solve_kwargs) -> SolveSharding:
     """The sharding ILP (``cauto.solver.solve`` on ``cluster``) as the joint search's SolveSharding
     callback (joint.py): None budget is no memory limit, None result is nothing fits.
@@ -176,8 +204,7 @@ def ilp_sharding(graph_doc: dict, cluster: ClusterSpec, **solve_kwargs) -> Solve
     The joint search's sharding ladder solves the same budgets whatever the memory budget, so the
     process keeps its last ``SOLVES_KEPT`` solves, keyed by the graph's content, the cluster, the
     options and the budget (planning a model at several budgets solves each ladder point once)."""
-    digest = hashlib.sha256(json.dumps(graph_doc, sort_keys=True, default=str).encode()).hexdigest()
-    options = (digest, repr(cluster), repr(sorted(solve_kwargs.items())))
+    options = _solve_key(graph_doc, cluster, solve_kwargs)
 
     def solve_sharding(budget: int | None) -> ShardingResult | None:
         key = (*options, budget)
