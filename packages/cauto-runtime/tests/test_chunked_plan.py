@@ -190,3 +190,15 @@ def test_torchrun_launch_with_a_chunked_plan(tmp_path):
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert "step 3/3 loss" in res.stdout and "cauto verify (chunked state)" in res.stdout
     assert "moved_bytes" in res.stdout
+
+
+def test_zero_groups_are_the_ranks_that_differ_only_on_the_zero_axes():
+    """chunks/in_program.py: the ZeRO process group of a subset of a mesh's axes (here 2 of 3 axes of 8 ranks)."""
+    import torch
+
+    from cauto.runtime.chunks.in_program import zero_group_ranks
+
+    mesh = torch.arange(8).reshape(2, 2, 2)
+    assert zero_group_ranks(mesh, [0, 2]) == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert zero_group_ranks(mesh, [1]) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert zero_group_ranks(mesh, [0, 1, 2]) == [list(range(8))]

@@ -310,3 +310,18 @@ def test_execution_section_is_what_the_plan_rules_derive(cluster, least_on_devic
         modes.append(p["execution"]["mode"])
     assert modes == ["program", "program", "chunk_manager", "program"]
     assert any(p["execution"]["grad_reductions"] for p in plans)
+
+
+def test_zero_collectives_are_one_per_chunk_group_over_several_axes():
+    """The runtime ZeRO-shards over one process group of the ranks that differ only on D (issue 22 point
+    3): D spanning two axes is one all-gather and one reduce-scatter per chunk group and one flag
+    all-reduce, over W = 4 ranks, priced on the slowest of D's links; one axis is as before."""
+    from cauto.solver.offload.model import OffloadModel
+    from cauto.solver.offload.section import zero_collectives
+
+    for mesh, axes in [((2, 2), (0, 1)), ((2, 1, 2), (0, 2)), ((2, 2, 1), (0, 2))]:
+        m = OffloadModel(cluster_for_mesh("cpu-gloo", mesh), 1 << 20, 1024, 1024, axes)
+        out = zero_collectives(m, 2 * m.group_size, 3)
+        assert [(c["op"], c["phase"]) for c in out] == [("all_gather", "forward"), ("reduce_scatter", "backward")] * 2 \
+            + [("all_reduce", "optimizer")], (mesh, axes)
+        assert {c["axis"] for c in out} == {axes[0]} and out[0]["bytes"] == m.group_size * 1024 * 4

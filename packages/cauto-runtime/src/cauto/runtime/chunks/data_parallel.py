@@ -118,10 +118,15 @@ def check_chunked(cap: Capture, plan: PlanDocument, model: nn.Module) -> None:
     if plan.checkpoint and plan.checkpoint.get("regions"):
         raise mismatch("the plan has checkpoint regions and chunked state; the chunk manager runs the model as "
                         "written: solve with --checkpoint none --offload chunked")
-    axes = list(plan.offload.get("mesh_axes", range(len(plan.mesh["shape"])))) if plan.offload else []
-    if plan.offload is None or sorted(axes) != list(range(len(plan.mesh["shape"]))):
-        raise mismatch("the plan's offload section is missing or shards chunks over only some mesh axes; the "
-                        "runtime ZeRO-shards chunks over the whole mesh: solve again with --offload chunked")
+    if plan.offload is None:
+        raise mismatch("the plan marks parameters \"chunked\" but has no offload section; solve again with "
+                        "--offload chunked")
+    axes = list(plan.offload.get("mesh_axes", range(len(plan.mesh["shape"]))))
+    if sorted(axes) != list(range(len(plan.mesh["shape"]))):
+        raise mismatch(f"the plan runs the model as written (execution.mode \"chunk_manager\") but ZeRO-shards its "
+                        f"chunks over mesh axes {axes} only; the model as written ZeRO-shards over the whole mesh. "
+                        "Chunks over a subset of the axes run as a DTensor program: solve again (the solver gives "
+                        "such plans execution.mode \"program\"), or set the mode to \"program\"")
     mesh = plan.mesh["shape"]
     for node in cap.graph.nodes:
         if node.op != "placeholder" or cap.placeholders[node.name][0] != "input":

@@ -2,7 +2,8 @@
 
 ``apply`` hands a plan here when its parameters' state is "chunked" and the plan is not pure data
 parallelism: its chunks are ZeRO-sharded over some mesh axes only (``offload.mesh_axes``, the
-data-parallel axes D; the others are tensor-parallel), or it redistributes activations. (Pure data
+data-parallel axes D, any subset of the mesh's axes; on the others parameters are tensor-parallel or
+replicated), or it redistributes activations. (Pure data
 parallelism without edges runs the model as written instead: chunks/data_parallel.py.)
 
 * The program is ``execute.build``'s, as for a plan without chunks: DTensors, the plan's
@@ -12,7 +13,8 @@ parallelism without edges runs the model as written instead: chunks/data_paralle
 * A chunked parameter is Replicate on every axis of D and placed as planned on the others (e.g.
   Shard(0) on a tensor-parallel axis). Each rank materializes its shard as for a DTensor plan, then
   the chunk manager (``chunk_module``) takes the local shards: ZeRO-sharded over the process group
-  of D (one mesh axis, or the whole mesh), paged between device and host within the plan's
+  of D (one mesh axis's group, the whole mesh, or for any other subset of axes a group over the
+  ranks that differ only on D: ``zero_group_ranks``), paged between device and host within the plan's
   ``offload.device_budget_bytes`` (``offload.simulated_device_budget_bytes`` on the CPU's simulated device).
 * Gradients: a fetched parameter's gradient comes back as a Partial(sum) share on D (a Replicate
   gradient becomes an equal share per rank, a Shard one is gathered first) and as planned on the
@@ -62,11 +64,11 @@ def check_chunked_program(plan: PlanDocument, model: nn.Module) -> None:
     if plan.offload is None:
         raise mismatch("the plan marks parameters \"chunked\" but has no offload section; solve again with "
                         "--offload chunked")
-    axes = plan_data_parallel_axes(plan)
-    ndim = len(plan.mesh["shape"])
-    if not axes or any(not 0 <= a < ndim for a in axes) or (len(axes) > 1 and len(axes) != ndim):
-        raise mismatch(f"the plan ZeRO-shards chunks over mesh axes {axes}; the runtime shards them over one mesh "
-                        f"axis or all {ndim}: solve again with --offload-axes naming one axis, or all")
+    try:
+        axes = plan_data_parallel_axes(plan)
+    except ValueError as exc:
+        raise mismatch(f"the plan's offload.mesh_axes are not data-parallel axes of its mesh ({exc}): the plan is "
+                        "malformed, solve again") from None
     chunked = set(chunked_targets(plan))
     left = [n for n, p in model.named_parameters() if p.requires_grad and n not in chunked]
     if left:
@@ -83,12 +85,40 @@ def check_chunked_program(plan: PlanDocument, model: nn.Module) -> None:
                         "parameters during backward, which the runtime does not do: solve with --checkpoint none")
 
 
+#: (mesh ranks, mesh shape, axes) -> this rank's flattened group: groups are made once per process
+_FLAT_GROUPS: dict[tuple, object] = {}
+
+
+def zero_group_ranks(mesh_ranks: torch.Tensor, axes: list[int]) -> list[list[int]]:
+    """The ZeRO groups of the mesh axes ``axes``: for each coordinate on the other axes, the ranks that
+    differ only on ``axes`` (in mesh order, so a rank's place in its group is its flattened coordinate on
+    ``axes``: the chunks it owns, as the solver's ``offload.num_chunks`` counts them)."""
+    others = [a for a in range(mesh_ranks.dim()) if a not in axes]
+    w = 1
+    for a in axes:
+        w *= mesh_ranks.shape[a]
+    return mesh_ranks.permute(*others, *axes).reshape(-1, w).tolist()
+
+
 def _process_group(mesh: DeviceMesh, axes: list[int]):
+    """The process group the chunks are ZeRO-sharded over: the ranks that differ only on ``axes`` (one
+    axis of size > 1: its group; several: a group over those ranks, made once, so that each chunk group
+    is one collective, as the plan predicts). None on one device."""
     if mesh.size() == 1:
         return None
-    if len(axes) == mesh.ndim:
-        return dist.group.WORLD if mesh.ndim > 1 else mesh.get_group(0)
-    return mesh.get_group(axes[0])  # of size 1 when the axis is: then nothing is ZeRO-sharded
+    big = [a for a in axes if mesh.size(a) > 1]  # an axis of size 1 adds no rank to the group
+    if len(big) <= 1:
+        return mesh.get_group(big[0] if big else axes[0])  # of size 1: then nothing is ZeRO-sharded
+    axes = big
+    key = (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), tuple(axes))
+    if key not in _FLAT_GROUPS:
+        mine = None
+        for ranks in zero_group_ranks(mesh.mesh, axes):  # every rank makes every group, in the same order
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                mine = group
+        _FLAT_GROUPS[key] = mine
+    return _FLAT_GROUPS[key]
 
 
 def shard_into_chunks(model: nn.Module, plan: PlanDocument, mesh: DeviceMesh, device: torch.device,
@@ -131,4 +161,4 @@ def build_program(cap: Capture, plan: PlanDocument, mesh: DeviceMesh, device: to
     return execute.build(cap, plan, mesh, device, propagation, chunked=chunked)
 
 
-__all__ = ["build_program", "check_chunked_program", "plan_data_parallel_axes", "shard_into_chunks"]
+__all__ = ["build_program", "check_chunked_program", "plan_data_parallel_axes", "shard_into_chunks", "zero_group_ranks"]

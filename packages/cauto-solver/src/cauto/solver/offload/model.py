@@ -76,12 +76,15 @@ Collectives (section.py, with the ``offload`` section). The all-reduces over the
 gradient synchronization (``grad_sync``) and in the backward of a redistribution edge that starts
 at it, are replaced by the chunk manager's (the runtime's ``chunk_fetch`` leaves the gradient
 Partial on D; other collectives, on other axes or gathering a Shard gradient on D, stay): per group of W chunks an all-gather
-of W parameter chunks in forward and a reduce-scatter of W fp32 gradient chunks in backward
-(priced per axis of D as DTensor's S(0)->R and P(sum)->S(0) on those axes would be, Replicate on the
-others), and one all-reduce of the per-parameter "has a gradient" flags over D in the optimizer
-step. When D is every axis, every trainable parameter is chunked and the plan has no
-redistribution edges, the runtime runs the model as written on each rank's slice of the batch: the
-collectives the DTensor program would run inside ops are dropped, the all-reduce of the loss stays.
+of W parameter chunks in forward and a reduce-scatter of W fp32 gradient chunks in backward,
+and one all-reduce of the per-parameter "has a gradient" flags over D in the optimizer step. Each
+is one collective over the flattened group of D (the runtime's ZeRO process group: the whole mesh,
+one axis's group, or a group over the ranks that differ only on the axes of D), however many axes
+D spans: recorded on the first axis of D of size > 1, priced as the α-β ring over W ranks on the
+slowest link of D's axes. When D is every axis, every trainable parameter is chunked and the plan
+has no redistribution edges, the runtime runs the model as written on each rank's slice of the
+batch: the collectives the DTensor program would run inside ops are dropped, the all-reduce of the
+loss stays, as one all-reduce over the whole mesh (the runtime's one).
 """
 
 from __future__ import annotations

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from cauto.plan import GraphDocument
 from cauto.plan.execution import execution_section, simulated_device_budget_bytes
-from cauto.solver.cost.reshard import reshard
+from cauto.solver.cost.reshard import collective_cost_s
 from cauto.solver.document import OffloadSection
 from cauto.solver.offload.model import GRAD_ITEMSIZE, PARAM_ITEMSIZE, OffloadModel
-from cauto.solver.strategies.node import Placements, Strategy
+from cauto.solver.strategies.node import Strategy
 
 
 def offload_section(model: OffloadModel, sharding: dict, graph: GraphDocument,
@@ -41,7 +41,14 @@ def offload_section(model: OffloadModel, sharding: dict, graph: GraphDocument,
             return False  # the chunk manager's reduce-scatter over D replaces the gradient's all-reduce
         return not plain or c.get("where") == "loss"
 
-    collectives = [c for c in pred["collectives"] if kept(c)] + zero_collectives(model, num_chunks, len(chunked))
+    collectives = [c for c in pred["collectives"] if kept(c)]
+    if plain:  # the model as written reduces its loss once, over the whole mesh (ChunkedParallelModule)
+        loss = [c for c in collectives if c.get("where") == "loss"]
+        if len(loss) > 1:
+            axes = tuple(range(len(model.cluster.mesh_shape)))
+            collectives = [c for c in collectives if c.get("where") != "loss"] + [
+                _flattened(model, axes, "all_reduce", max(c["bytes"] for c in loss), loss[0]["phase"], "loss")]
+    collectives += zero_collectives(model, num_chunks, len(chunked))
     communication_s = sum(c["cost_s"] for c in collectives)
     offload_s = moved / model.host_link_bandwidth_bytes_per_s
     times = pred["step_time_s"]
@@ -62,30 +69,36 @@ def offload_section(model: OffloadModel, sharding: dict, graph: GraphDocument,
         predictions={**pred, "step_time_s": step_time_s, "collectives": collectives})
 
 
+def _flattened(model: OffloadModel, axes: tuple[int, ...], op: str, nbytes: int, phase: str, where: str) -> dict:
+    """One collective ``op`` of ``nbytes`` over the flattened group of the mesh axes ``axes`` (the ranks that
+    differ only there): recorded on the first such axis of size > 1, priced as the α-β ring over the group's
+    size on the slowest of those axes' links (the group spans them all), plus the kernel floor."""
+    mesh = tuple(model.cluster.mesh_shape)
+    big = [a for a in axes if mesh[a] > 1]
+    n = 1
+    for a in big:
+        n *= mesh[a]
+    links = [model.cluster.axes[a] for a in big]
+    latency = max(a.latency_s for a in links)
+    bandwidth = min(a.bandwidth_bytes_per_s for a in links)
+    cost = model.cluster.device.kernel_floor_s + collective_cost_s(op, nbytes, n, latency, bandwidth)
+    return {"op": op, "axis": big[0], "bytes": int(nbytes), "phase": phase, "where": where, "cost_s": cost}
+
+
 def zero_collectives(model: OffloadModel, num_chunks: int, num_params: int) -> list[dict]:
     """The chunk manager's collectives over D (model.py's docstring): per chunk group an all-gather of
     the parameter chunks in forward and a reduce-scatter of the gradient chunks in backward, and the
-    all-reduce of the gradient flags in the optimizer step."""
-    mesh = tuple(model.cluster.mesh_shape)
+    all-reduce of the gradient flags in the optimizer step. Each is one collective over the flattened
+    group of D (the runtime's ZeRO process group), however many axes D spans."""
     if model.group_size <= 1:
         return []
-    links = tuple((a.latency_s, a.bandwidth_bytes_per_s) for a in model.cluster.axes)
-    dev = model.cluster.device
-
-    def on_data_axes(p: str) -> Placements:
-        return tuple(p if a in model.mesh_axes else "R" for a in range(len(mesh)))
-
-    def collectives(src: Placements, dst: Placements, nbytes: int, phase: str, where: str) -> list[dict]:
-        return [c.to_dict(phase, where)
-                for c in reshard(src, dst, nbytes, mesh, links, dev.kernel_floor_s, dev.all_to_all)]
-
+    axes = tuple(model.mesh_axes)
     group_param_bytes = model.group_size * model.chunk_elems * PARAM_ITEMSIZE
     group_grad_bytes = model.group_size * model.chunk_elems * GRAD_ITEMSIZE
-    replicated = ("R",) * len(mesh)
     out = []
     for g in range(num_chunks // model.group_size):
         where = f"chunk group {g}"
-        out += collectives(on_data_axes("S(0)"), replicated, group_param_bytes, "forward", where)
-        out += collectives(on_data_axes("P(sum)"), on_data_axes("S(0)"), group_grad_bytes, "backward", where)
-    out += collectives(on_data_axes("P(max)"), replicated, 4 * num_params, "optimizer", "chunked gradient flags")
+        out.append(_flattened(model, axes, "all_gather", group_param_bytes, "forward", where))
+        out.append(_flattened(model, axes, "reduce_scatter", group_grad_bytes, "backward", where))
+    out.append(_flattened(model, axes, "all_reduce", 4 * num_params, "optimizer", "chunked gradient flags"))
     return out
