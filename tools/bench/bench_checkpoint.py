@@ -161,13 +161,13 @@ def main() -> None:
         cluster = cluster_for_mesh("cpu-gloo", (2,))
         scale = build(GraphDocument.from_dict(g), cluster)[2].activation_scale  # the ILP's calibration
         parts += ["\n### Joint sharding + checkpointing: the real sharding ILP\n\n`cauto.solver.synthetic.gpt("
-                  "layers=2, batch=16, seq=64, hidden=128)` on `cpu-gloo` (2,), the sharding ladder (ILP budgets 0.8^k of the unconstrained need) + 2 "
+                  "layers=2, batch=16, seq=64, hidden=128)` on `cpu-gloo` (2,), grid of 5 ILP budgets and the sharding ladder (0.8^k of the unconstrained need) + 2 "
                   f"refinements per row; chains use the ILP's calibrated activation scale ({scale:.3f}). "
                   "\"ILP model\" is the peak the ILP predicts for its own plan (model state + saved + transient); "
                   "the simulator also counts gradients and temporaries of the backward, so it judges the ILP's "
                   "full-activation plans infeasible where the ILP believes they fit.\n",
                   joint_table(g, ilp_sharding(g, cluster), (9, 11, 13, 15, 17, 20, 25, 30),
-                              device=device_dict(cluster), activation_scale=scale, slots=300,
+                              device=device_dict(cluster), activation_scale=scale, slots=300, grid_points=5,
                               refine_steps=2)]
         print("\n".join(parts[-2:]), flush=True)
     if args.write:

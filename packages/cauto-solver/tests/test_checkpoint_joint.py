@@ -86,7 +86,7 @@ def test_joint_with_the_real_ilp():
         solve(graph, cluster, memory_budget=1000)
     M = err.value.needed_bytes  # the least the ILP alone (full activations) can fit, by its own model
     res = joint_plan(graph, M, ilp_sharding(graph, cluster), device=device_dict(cluster), slots=200,
-                     refine_steps=1)
+                     grid_points=4, refine_steps=1)
     assert res.ilp_only.sharding is not None and res.ilp_only.sharding.plan["kind"] == "plan"
     assert res.best is not None and res.best.peak_bytes <= M
     for base in (res.ilp_only, res.fixed_split):

@@ -7,8 +7,8 @@ ColossalAI solves the ILP first (with full activations in its memory model) and 
 is left; the two never meet. Here the split is searched:
 
     for ILP budgets B from M (full activations must fit: "ILP only") up to the budget the
-    unconstrained sharding needs, on the sharding ladder's points (below) plus M and the
-    fixed split, refined around the best point:
+    unconstrained sharding needs, on a geometric grid and the sharding ladder's points (below),
+    refined around the best point:
         r    = solve_sharding(B)               # believes full activations; B > M lets it pick
                                                # faster, less sharded plans
         left = M − r.model_state_bytes         # what the activations really get
@@ -275,7 +275,7 @@ def _recompute_communication_s(sharding: ShardingResult, choice: CheckpointChoic
 
 
 def solve_joint(memory_budget_bytes: int, solve_sharding: SolveSharding, chain_for: ChainFor, *,
-                refine_steps: int = 4, fixed_factor: float = DEFAULT_FIXED_FACTOR,
+                grid_points: int = 8, refine_steps: int = 4, fixed_factor: float = DEFAULT_FIXED_FACTOR,
                 slots: int = DEFAULT_SLOTS, device_peak: DevicePeak | None = None,
                 graph_doc: dict | None = None,
                 least_sharding: Callable[[], ShardingResult | None] | None = None) -> JointResult:
@@ -285,8 +285,8 @@ def solve_joint(memory_budget_bytes: int, solve_sharding: SolveSharding, chain_f
     (evaluate_split); ``least_sharding`` gives the sharding solver's least-memory sharding (a floor
     candidate, as the ladder's)."""
     M = int(memory_budget_bytes)
-    if M <= 0:
-        raise ValueError(f"need a positive memory budget, got {M}")
+    if M <= 0 or grid_points < 2:
+        raise ValueError(f"need a positive memory budget and grid_points ≥ 2, got {M} and {grid_points}")
     free = solve_sharding(None)
     if free is None:
         raise SolverError("the sharding solver found no plan even without a memory limit")
@@ -326,6 +326,8 @@ def solve_joint(memory_budget_bytes: int, solve_sharding: SolveSharding, chain_f
     ilp_only = evaluate(M, "none")
     fixed = evaluate(int(fixed_factor * M), "rotor")
     budgets = {M, min(int(fixed_factor * M), top), top} | {b for b in ladder if M <= b <= top}
+    if top > M:
+        budgets |= {int(M * (top / M) ** (k / (grid_points - 1))) for k in range(grid_points)}
     for b in sorted(budgets):
         points[b] = evaluate(b)
     for _ in range(refine_steps):

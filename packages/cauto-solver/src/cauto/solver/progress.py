@@ -22,11 +22,11 @@ ProgressFn = Callable[[str, int, int], None]
 CHECKPOINT_PHASE = "checkpoint search"
 
 
-def joint_solves_at_most(ladder_points: int = 20, refine_steps: int = 4) -> int:
+def joint_solves_at_most(grid_points: int = 8, ladder_points: int = 20, refine_steps: int = 4) -> int:
     """The most sharding solves ``joint.solve_joint`` runs with these settings (its defaults): one
-    without a limit, the two baselines, the sharding ladder (joint.LADDER_MAX_POINTS), two fresh
-    budgets per refinement step."""
-    return 1 + 2 + ladder_points + 2 * refine_steps
+    without a limit, the two baselines, the grid, the sharding ladder (joint.LADDER_MAX_POINTS) and
+    the ILP's least-memory sharding (two solves), two fresh budgets per refinement step."""
+    return 1 + 2 + grid_points + ladder_points + 2 + 2 * refine_steps
 
 
 def counted(solve_sharding: Callable, progress: ProgressFn, total: int) -> Callable:
