@@ -253,3 +253,38 @@ def test_chunks_zero_sharded_over_any_subset_of_mesh_axes_train_on_four_ranks(tm
             if name not in UPPER_BOUND_ONLY:
                 assert r["nonmodel_peak_bytes"] >= 0.95 * predicted, (name, r["nonmodel_peak_bytes"], predicted)
             assert r["collectives"]["executed"] == r["collectives"]["predicted"], (name, r["collectives"])
+
+
+#: (model, kwargs, mesh, ZeRO axes, budget): budgets below the least of both two-lever plans (sharding with
+#: checkpointing, sharding with chunked state), where only all three levers together fit
+THREE_WAY = {"gpt-4": ("gpt", dict(batch=16, seq=64, dim=64, layers=4), (4,), None, 3 << 20)}
+
+
+def test_three_way_plan_trains_on_four_ranks_below_both_two_lever_plans(tmp_path):
+    """Issue 22 point 1: one plan with sharding, checkpoint regions and chunked state. At a budget where
+    neither two-lever plan fits, ``offload="chunked", checkpoint="auto"`` plans regions over chunked state;
+    4 gloo ranks run it as a DTensor program whose regions fetch their chunked parameters again in
+    recomputation: losses and parameters equal one process, every collective is one the plan predicts."""
+    jobs, plans = [], {}
+    for name, (model, kwargs, mesh, axes, budget) in THREE_WAY.items():
+        graph = profile(functools.partial(zoo.ZOO[model], **kwargs)).to_graph()
+        cluster = cluster_for_mesh("cpu-gloo", mesh)
+        for two in (dict(checkpoint="auto"), dict(offload="chunked", offload_axes=axes)):
+            with pytest.raises(InfeasibleBudgetError):
+                plan(graph, cluster, memory_budget=budget, **two)
+        p = plan(graph, cluster, memory_budget=budget, offload="chunked", offload_axes=axes, checkpoint="auto")
+        assert p["checkpoint"]["regions"] and p["execution"]["mode"] == "program", name
+        assert {e["state"] for e in p["params"].values()} == {"chunked"}, name
+        assert p["predictions"]["peak_bytes"] <= budget and p["offload"]["device_budget_bytes"] == budget
+        plans[name] = p
+        jobs.append(dict(name=name, model=model, kwargs=kwargs, mesh=list(mesh), axis_names=p["mesh"]["axis_names"],
+                         check="chunked", program=True, steps=3, lr=LR, plan=p))
+    for rank in _run_ranks()(4, jobs, tmp_path, timeout_s=400):
+        for name, p in plans.items():
+            r = rank[name]
+            assert "error" not in r, r.get("error")
+            for got, want in zip(r["losses"], r["ref_losses"]):
+                assert abs(got - want) <= TOL * max(1.0, abs(want)), (name, r)
+            assert r["param_diff_without_k_bias"] < ADAM_NOISE * LR * 3, (name, r)
+            assert r["num_chunks"] == p["offload"]["num_chunks"], (name, r)
+            assert r["collectives"]["executed"] == r["collectives"]["predicted"], (name, r["collectives"])

@@ -29,7 +29,6 @@ def test_defaults_and_cache_key():
     ({"memory_budget_bytes": 1.5}, "memory budget 1.5"),
     ({"checkpoint": "always"}, "checkpoint method 'always' is not one of none, auto, rotor, chen"),
     ({"offload": "sometimes"}, "offload 'sometimes' is not one of none, auto, chunked"),
-    ({"offload": "chunked", "checkpoint": "auto"}, "does not combine with activation checkpointing"),
     ({"offload_axes": (0,)}, "they need offload 'auto' or 'chunked'"),
     ({"solver": "gurobi"}, "unknown solver 'gurobi'; use one of"),
     ({"time_limit_s": -1}, "time_limit_s -1"),

@@ -124,8 +124,19 @@ def test_tensor_parallel_chunked_plan_runs_the_dtensor_program_or_says_why_not()
         _apply_2d(mixed)
     regions = copy.deepcopy(good)
     regions["checkpoint"] = {"method": "rotor", "regions": [{"nodes": ["layer_norm"]}]}
-    with pytest.raises(PlanMismatchError, match="checkpoint regions"):
-        _apply_2d(regions)
+    region = _apply_2d(regions).executable.module.checkpoint_0  # its recomputation fetches its parameters again
+    fetched = [n for n in region.graph.nodes if n.op == "call_function" and n.target.__name__ == "fetch_chunked"]
+    released = [n for n in region.graph.nodes if n.op == "call_function" and n.target.__name__ == "release_chunked"]
+    assert len(fetched) == len(released) == 2  # the layer norm's weight and bias
+    # a region that would read a chunk through a value fetched outside it is refused by name
+    from cauto.runtime.checkpoint import wrap_regions
+    program = _apply_2d(good).executable.module
+    ln = next(n for n in program.graph.nodes if n.name == "layer_norm")
+    outside = next(n for n in ln.all_input_nodes if n.target.__name__ == "fetch_chunked")
+    ln.meta.pop("cauto_owner", None)
+    outside.meta["cauto_fetched_for"] = "elsewhere"
+    with pytest.raises(ValueError, match="reads the chunked parameter .* fetched outside the region"):
+        wrap_regions(program, [{"nodes": ["layer_norm"]}])
 
 
 @pytest.mark.slow

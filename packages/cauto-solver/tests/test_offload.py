@@ -12,6 +12,7 @@ from cauto.solver import InfeasibleBudgetError, SolverError, plan, solve, synthe
 from cauto.solver.cli import main
 from cauto.solver.cluster import PRESETS, DeviceSpec, cluster_for_mesh
 from cauto.solver.memory.timeline import device_timeline, plan_strategies
+from cauto.solver.offload.memory import ChunkedMemoryModel
 from cauto.solver.offload.model import GRAD_ITEMSIZE, PARAM_ITEMSIZE, OffloadModel, local_numel
 from cauto.solver.strategies.groups import enumerate_strategies
 
@@ -83,8 +84,6 @@ def test_forced_chunks_and_their_limits(cluster, least_on_device):
         plan(GRAPH, cluster, memory_budget=least_on_device // 4, offload="auto")
     assert least_on_device // 4 < info.value.needed_bytes < least_on_device  # the chunked plan's need
     assert "chunk working set" in str(info.value)
-    with pytest.raises(SolverError, match="checkpoint"):
-        plan(GRAPH, cluster, offload="chunked", checkpoint="auto")
     with pytest.raises(SolverError, match="offload"):
         plan(GRAPH, cluster, offload="sometimes")
 
@@ -325,3 +324,43 @@ def test_zero_collectives_are_one_per_chunk_group_over_several_axes():
         assert [(c["op"], c["phase"]) for c in out] == [("all_gather", "forward"), ("reduce_scatter", "backward")] * 2 \
             + [("all_reduce", "optimizer")], (mesh, axes)
         assert {c["axis"] for c in out} == {axes[0]} and out[0]["bytes"] == m.group_size * 1024 * 4
+
+
+def _least(fn) -> int:
+    """The bytes an InfeasibleBudgetError of ``fn()`` names."""
+    with pytest.raises(InfeasibleBudgetError) as info:
+        fn()
+    return int(info.value.needed_bytes)
+
+
+def test_three_levers_plan_below_every_two_lever_plan(monkeypatch):
+    """Issue 22 point 1: sharding, checkpoint regions and chunked state in one plan. Below the least budget
+    of both two-lever plans (sharding with checkpointing; sharding with chunked state) the three-way search
+    finds a plan with regions over chunked parameters, run as a program; its peak is the device walk's with
+    the chunks its regions' recomputation pins; and at a budget where a two-lever plan fits too, the
+    three-way choice is never slower than it."""
+    cluster = cluster_for_mesh("cpu-gloo", (2,))
+    ckpt = _least(lambda: plan(GRAPH, cluster, memory_budget=1, checkpoint="auto"))
+    chunks = _least(lambda: plan(GRAPH, cluster, memory_budget=1, offload="chunked"))
+    budget = int(0.9 * min(ckpt, chunks))
+    p = plan(GRAPH, cluster, memory_budget=budget, offload="chunked", checkpoint="auto")
+    check_document(p, "plan")
+    assert p["checkpoint"]["regions"] and p["execution"]["mode"] == "program"
+    assert {e["state"] for e in p["params"].values()} == {"chunked"}
+    pred, off = p["predictions"], p["offload"]
+    assert pred["peak_bytes"] <= budget and off["device_budget_bytes"] == budget
+    assert device_timeline(p, GRAPH).peak_bytes == pred["peak_bytes"]
+    # the offload section is priced at the checkpointed peak: the arena is what the regions leave
+    assert off["arena_bytes"] == budget - (pred["peak_bytes"] - off["working_set_bytes"])
+    assert pred["step_time_s"]["offload"] == pytest.approx(off["moved_bytes"] / off["host_link_bandwidth_bytes_per_s"])
+    # the regions lower the peak, and the chunks their recomputation pins are counted in it
+    unregioned = json.loads(json.dumps(p))
+    unregioned["checkpoint"]["regions"] = []
+    assert device_timeline(unregioned, GRAPH).peak_bytes > pred["peak_bytes"]
+    monkeypatch.setattr(ChunkedMemoryModel, "recompute_pinned_bytes", lambda self, by_id, chosen, region: 0)
+    assert device_timeline(p, GRAPH).peak_bytes < pred["peak_bytes"]
+    monkeypatch.undo()
+    for roomy in (2 * chunks, 2 * ckpt):
+        three = plan(GRAPH, cluster, memory_budget=roomy, offload="chunked", checkpoint="auto")
+        two = plan(GRAPH, cluster, memory_budget=roomy, offload="chunked")
+        assert three["predictions"]["step_time_s"]["total"] <= two["predictions"]["step_time_s"]["total"]

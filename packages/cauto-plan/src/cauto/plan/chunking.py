@@ -17,18 +17,28 @@ def aligned_elems(n: int) -> int:
     return (n + ALIGN_ELEMS - 1) // ALIGN_ELEMS * ALIGN_ELEMS
 
 
-def count_chunks(group_numels: list[list[int]], chunk_elems: int, world_size: int = 1) -> int:
-    """Chunks of the parameters of each group (element counts, in order) packed in order, padded to a
-    multiple of ``world_size`` (a parameter larger than a chunk takes one of its own: the search never
-    tries such a size, and the runtime's layout refuses it)."""
-    count = 0
+def chunk_indices(group_numels: list[list[int]], chunk_elems: int) -> list[list[int]]:
+    """The chunk each parameter of each group (element counts, in order) is packed into, in order (a
+    parameter larger than a chunk takes one of its own: the search never tries such a size, and the
+    runtime's layout refuses it)."""
+    out, count = [], 0
     for numels in group_numels:
         used = None
+        indices = []
         for n in numels:
             if used is None or used + n > chunk_elems:
                 count += 1
                 used = 0
             used += aligned_elems(n)
+            indices.append(count - 1)
+        out.append(indices)
+    return out
+
+
+def count_chunks(group_numels: list[list[int]], chunk_elems: int, world_size: int = 1) -> int:
+    """Chunks of the parameters of each group packed in order (``chunk_indices``), padded to a multiple
+    of ``world_size``."""
+    count = 1 + max((i for indices in chunk_indices(group_numels, chunk_elems) for i in indices), default=-1)
     return -(-count // world_size) * world_size
 
 

@@ -4,8 +4,8 @@ The runtime reads these fields and derives nothing itself:
 
 * ``execution.mode``: ``"program"`` (the captured graph rewritten for the plan: lowered to a local
   program, or the DTensor interpreter) or ``"chunk_manager"`` (the model as written, every trainable
-  parameter in the chunk manager, ZeRO over the whole mesh: chunks over every mesh axis and no
-  redistribution edges);
+  parameter in the chunk manager, ZeRO over the whole mesh: chunks over every mesh axis, no
+  redistribution edges and no checkpoint regions; a plan with regions runs as a program);
 * ``execution.grad_reductions``: the values (``"node:output"``) whose gradient the program reduces
   once, before their producer's backward (the backward collectives the plan lists as
   ``"grad of <value>"``);
@@ -80,9 +80,10 @@ def lowered_reduce_dtype(execution: dict | None) -> str | None:
 
 
 def execution_section(mesh_ndim: int, offload: dict | None, edges: list, collectives: list[dict],
-                      mixed_precision: dict | None = None) -> dict:
-    """The plan's ``execution`` section from its other sections (module docstring)."""
-    mode = "chunk_manager" if chunk_manager_runs(mesh_ndim, offload, edges) else "program"
+                      mixed_precision: dict | None = None, program: bool = False) -> dict:
+    """The plan's ``execution`` section from its other sections (module docstring); ``program``: a
+    program even where the chunk manager could run the model as written (checkpoint regions)."""
+    mode = "chunk_manager" if not program and chunk_manager_runs(mesh_ndim, offload, edges) else "program"
     out = {"mode": mode, "grad_reductions": grad_reductions_of(collectives)}
     if mixed_precision is not None:
         out["mixed_precision"] = mixed_precision

@@ -39,7 +39,8 @@ class PlanOptions:
     "auto" (rotor or Chen, whichever is faster, or none), "rotor", "chen"."""
     offload: Offload = "none"
     """Model state in chunks moved between device and host: "none"; "auto" (only where no device-only
-    plan fits); "chunked" (always; needs ``checkpoint="none"``)."""
+    plan fits); "chunked" (always). With ``checkpoint`` other than "none" the chunked plans are searched
+    jointly with checkpoint regions too: all three levers in one plan (cauto.solver.planning)."""
     offload_axes: tuple[int, ...] | None = None
     """The mesh axes chunked state is ZeRO-sharded over, the others left to tensor parallelism; None:
     every axis and each axis alone are tried, the fastest plan wins. Needs ``offload``."""
@@ -67,10 +68,6 @@ class PlanOptions:
             raise OptionsError(f"checkpoint method {self.checkpoint!r} is not one of {', '.join(CHECKPOINT_METHODS)}")
         if self.offload not in OFFLOAD_MODES:
             raise OptionsError(f"offload {self.offload!r} is not one of {', '.join(OFFLOAD_MODES)}")
-        if self.offload == "chunked" and self.checkpoint != "none":
-            raise OptionsError("offload='chunked' does not combine with activation checkpointing yet; use "
-                               "checkpoint='none', or offload='auto' (chunked state only where no checkpointed "
-                               "plan fits)")
         if self.offload_axes is not None:
             if self.offload == "none":
                 raise OptionsError("offload axes name the axes chunked state is ZeRO-sharded over: they need offload "

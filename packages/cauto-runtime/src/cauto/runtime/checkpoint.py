@@ -6,6 +6,10 @@ the main graph then calls ``ops.checkpointed(self.checkpoint_<i>, *inputs)``, wh
 ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``. Its activations are dropped after forward and recomputed in backward
 (including the region's redistributions). Nested regions (``children``) are cut out first, so an
 outer region contains the call of its inner one.
+
+With chunked parameters (chunks/fetch.py) a region also contains the fetches and releases of its own
+ops, so that its recomputation fetches them again; a region that would read a chunk through a value
+fetched outside it is refused by name.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import operator
 import torch
 import torch.fx
 
+from cauto.runtime.chunks.fetch import CHUNK_VIEW, FETCHED_FOR
 from cauto.runtime.ops import checkpointed
 
 
@@ -55,6 +60,7 @@ def _cut(gm: torch.fx.GraphModule, names: set[str], attr: str) -> str:
         # they belong to the op's region
         if n.op == "call_function" and (n.name in names or n.meta.get("cauto_owner") in names
                                         or n.meta.get("cauto_region") in names
+                                        or n.meta.get(FETCHED_FOR) in names
                                         or (n.target is operator.getitem and n.args[0] in inside)):
             region.append(n)
             inside.add(n)
@@ -65,6 +71,12 @@ def _cut(gm: torch.fx.GraphModule, names: set[str], attr: str) -> str:
         for a in n.all_input_nodes:
             if a not in inside and a not in inputs:
                 inputs.append(a)
+    viewing = [a for a in inputs if CHUNK_VIEW in a.meta]
+    if viewing:
+        raise ValueError(f"checkpoint region {attr} reads the chunked parameter {viewing[0].meta[CHUNK_VIEW]!r} "
+                         f"through {viewing[0].name!r}, fetched outside the region: its recomputation would read "
+                         "the chunk where it was in forward. Plan without checkpoint regions (--checkpoint none), "
+                         "or without chunked state (--offload none)")
     outputs = [n for n in region if any(u not in inside for u in n.users)]
     sub = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}

@@ -16,9 +16,17 @@ Infeasible budgets raise InfeasibleBudgetError naming the least memory any split
 ``offload`` hands data-parallel model state to the runtime's chunk manager (offload/):
 * "none" (default): every parameter's state stays on the device.
 * "auto": only when no device-only plan (with the ``checkpoint`` method asked for) fits: then the
-  sharding ILP with chunked state, without checkpointing; still infeasible raises the error of
-  whichever of the two needs less memory.
-* "chunked": always the ILP with chunked state (``checkpoint`` must be "none").
+  chunked plan below; still infeasible raises the error of whichever of the two needs less memory.
+* "chunked": always the ILP with chunked state; with ``checkpoint`` other than "none" also all three
+  levers at once (``_chunked_joint_plan``): joint.py's search over shardings with chunked state, each
+  sharding's checkpoint regions judged by the walk of the chunked memory model, which counts the
+  parameter chunks a region's recomputation fetches again and pins until their gradients are in
+  (offload/memory.py). The fastest of the two (per D) wins. Recomputation fetches chunked
+  parameters again rather than keeping them pinned from forward: the backward reads every saved
+  parameter again anyway and the gathered chunks stay on each rank for the whole step, so fetching
+  again moves no byte and runs no collective that the step without regions does not, while keeping
+  them pinned from forward would hold the region's chunks through its whole forward and backward.
+  Such a plan runs as a program (``execution.mode`` "program": the regions are cut from it).
 With chunked state the chunks are ZeRO-sharded over data-parallel mesh axes D (``offload_axes``):
 every trainable parameter replicated on every axis of D gets ``state: "chunked"`` (on the other
 axes the ILP may shard it: tensor parallelism) and the plan's ``offload`` section records D
@@ -46,8 +54,9 @@ from cauto.plan.execution import lowered_reduce_dtype, mixed_precision_section
 from cauto.plan.mesh_axes import data_parallel_axes
 from cauto.plan.options import CHECKPOINT_METHODS, OptionsError, PlanOptions
 from cauto.solver.cluster import ClusterSpec
-from cauto.solver.document import CheckpointSection, PlanSections, plan_document
+from cauto.solver.document import CheckpointSection, OffloadSection, PlanSections, plan_document
 from cauto.solver.errors import InfeasibleBudgetError, SolverError
+from cauto.solver.inputs import graph_document
 from cauto.solver.joint import (
     UNLIMITED_BYTES,
     ShardingResult,
@@ -58,6 +67,8 @@ from cauto.solver.joint import (
     sharding_result_from_plan,
 )
 from cauto.solver.memory.timeline import device_peak_judge
+from cauto.solver.offload.model import OffloadModel
+from cauto.solver.offload.section import offload_at_peak
 from cauto.solver.progress import CHECKPOINT_PHASE, ProgressFn, counted, joint_solves_at_most
 from cauto.solver.solve import solve, solve_sharding
 
@@ -270,6 +281,45 @@ def _chunked_plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options:
                                         time_limit_s=options.time_limit_s, progress=progress))
         except InfeasibleBudgetError as exc:
             infeasible.append(exc)
+        if options.checkpoint != "none":
+            try:
+                plans.append(_chunked_joint_plan(graph, cluster, options, axes, progress))
+            except InfeasibleBudgetError as exc:
+                infeasible.append(exc)
     if plans:
         return min(plans, key=lambda p: p.predictions["step_time_s"]["total"])
     raise min(infeasible, key=lambda e: e.needed_bytes or float("inf"))
+
+
+def _chunked_joint_plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options: PlanOptions,
+                        axes: tuple[int, ...] | None, progress: ProgressFn | None) -> PlanSections:
+    """All three levers (module docstring): the joint search of joint.py over shardings with chunked
+    state over ``axes``, each solved under its own ILP limit for the one device budget M, and judged
+    with its checkpoint regions by the walk of the chunked memory model. The plan runs as a program
+    (regions), and its offload section is priced at the checkpointed peak (a larger arena)."""
+    graph_doc = graph.to_dict() if isinstance(graph, GraphDocument) else dict(graph)
+    budget = cluster.budget_bytes(options.memory_budget_bytes)
+    kwargs = dict(solver=options.solver, time_limit_s=options.time_limit_s, offload=True, offload_axes=axes,
+                  device_budget=budget, program=True)
+    solve_at = ilp_sharding(graph_doc, cluster, **kwargs)
+    if progress is not None:
+        solve_at = counted(solve_at, progress, joint_solves_at_most())
+    result = joint_plan(graph_doc, budget, solve_at, device=device_dict(cluster),
+                        device_peak=device_peak_judge(graph_doc),
+                        least_sharding=least_ilp_sharding(graph_doc, cluster, **kwargs))
+    if result.best is None:  # the search's floor: the same at every budget (joint.py)
+        raise InfeasibleBudgetError(budget, int(result.needed_bytes or 0), [])
+    sharding = result.best.sharding.plan
+    best = checkpointed(sharding, graph_doc, method=options.checkpoint, memory_budget_bytes=budget,
+                        choice=result.best.checkpoint, device_peak_bytes=result.best.peak_bytes)
+    peak = int(best.predictions["peak_bytes"])
+    model = OffloadModel.for_graph(graph_document(graph_doc), cluster, budget, tuple(sharding["offload"]["mesh_axes"]))
+    offload, offload_s = offload_at_peak(model, sharding["offload"], peak)
+    times = dict(best.predictions["step_time_s"])
+    times["total"] += offload_s - times.get("offload", 0.0)
+    times["offload"] = offload_s
+    predictions = {**best.predictions, "step_time_s": times, "memory_budget_bytes": budget}
+    chunks = OffloadSection(offload=offload, params=sharding["params"], grad_sync=sharding["grad_sync"],
+                            execution=sharding["execution"], predictions=predictions)
+    return PlanSections(sharding, offload=chunks, checkpoint=CheckpointSection(
+        {**best.checkpoint, "method": options.checkpoint}, predictions))

@@ -160,7 +160,8 @@ def _fit_prediction(g: GraphDocument, problem: Problem, memory: MemoryModel, res
 def solve_sharding(graph: GraphDocument | Mapping, cluster: ClusterSpec, *, memory_budget: int | None = None,
                    time_limit_s: float = 60.0, solver: str = "cbc", follow: bool = True, share_layers: bool = True,
                    timings: dict | None = None, progress: ProgressFn | None = None, offload: bool = False,
-                   offload_axes: tuple[int, ...] | None = None, reduce_dtype: str | None = None) -> PlanSections:
+                   offload_axes: tuple[int, ...] | None = None, reduce_dtype: str | None = None,
+                   device_budget: int | None = None, program: bool = False) -> PlanSections:
     """The sharding solve (``solve``'s arguments): the sharding section with its ``solver`` section and,
     with ``offload``, the offload model's section (document.py)."""
     start = time.perf_counter()
@@ -168,7 +169,8 @@ def solve_sharding(graph: GraphDocument | Mapping, cluster: ClusterSpec, *, memo
     budget = cluster.budget_bytes(memory_budget)
     if offload_axes is not None and not offload:
         raise SolverError("offload_axes names the axes chunked state is ZeRO-sharded over: it needs offload")
-    chunks = OffloadModel.for_graph(g, cluster, budget, offload_axes) if offload else None
+    chunks = OffloadModel.for_graph(g, cluster, budget if device_budget is None else device_budget,
+                                    offload_axes) if offload else None
     strategies, cost, memory, problem = build(g, cluster, follow=follow, share_layers=share_layers,
                                               progress=progress, offload=chunks, reduce_dtype=reduce_dtype)
     built = time.perf_counter()
@@ -189,7 +191,7 @@ def solve_sharding(graph: GraphDocument | Mapping, cluster: ClusterSpec, *, memo
         progress("ilp", 1, 1)
     chosen = chosen_strategies(problem, result.choice)
     sharding = sharding_section(g, cluster, chosen, getattr(cost, "base", cost), memory, budget)
-    offloaded = offload_section(chunks, sharding, g, chosen) if chunks is not None else None
+    offloaded = offload_section(chunks, sharding, g, chosen, program=program) if chunks is not None else None
     objective, _ = evaluate(g, chosen, cost, memory)
     solver_section = {"name": solver, "status": result.status, "objective_s": objective, "gap": result.gap,
                       "time_s": time.perf_counter() - start, "num_variables": result.num_variables,
@@ -235,7 +237,8 @@ def _least_memory_result(g: GraphDocument, cluster: ClusterSpec, problem: Proble
 def solve(graph: GraphDocument | Mapping, cluster: ClusterSpec, *, memory_budget: int | None = None,
           time_limit_s: float = 60.0, solver: str = "cbc", follow: bool = True, share_layers: bool = True,
           timings: dict | None = None, progress: ProgressFn | None = None, offload: bool = False,
-          offload_axes: tuple[int, ...] | None = None, reduce_dtype: str | None = None) -> dict:
+          offload_axes: tuple[int, ...] | None = None, reduce_dtype: str | None = None,
+          device_budget: int | None = None, program: bool = False) -> dict:
     """Plan ``graph`` on ``cluster``: return a plan document (plan.schema.json) that fits the budget.
 
     ``graph`` is a dict (validated here) or a GraphDocument from ``cauto.plan.load_graph`` (already
@@ -249,9 +252,12 @@ def solve(graph: GraphDocument | Mapping, cluster: ClusterSpec, *, memory_budget
     chunks are ZeRO-sharded over; default every axis, pure data parallelism) are chunked (state
     "chunked", handed to the runtime's chunk manager with the budget; offload/ has the memory and
     traffic model). ``offload_axes`` must be distinct axes of the mesh, and needs ``offload``.
-    ``reduce_dtype``: see ``build``.
+    ``reduce_dtype``: see ``build``. ``device_budget`` (with ``offload``): the chunk manager's device
+    budget when it is not ``memory_budget`` (the joint search with chunked state solves the ILP under
+    other limits for one device budget: joint.py); ``program``: the runtime runs the plan as a program
+    even where the model as written could run it (a plan with checkpoint regions).
     """
     return plan_document(solve_sharding(graph, cluster, memory_budget=memory_budget, time_limit_s=time_limit_s,
                                         solver=solver, follow=follow, share_layers=share_layers, timings=timings,
                                         progress=progress, offload=offload, offload_axes=offload_axes,
-                                        reduce_dtype=reduce_dtype))
+                                        reduce_dtype=reduce_dtype, device_budget=device_budget, program=program))

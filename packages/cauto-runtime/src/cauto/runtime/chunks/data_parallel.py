@@ -10,7 +10,8 @@
   (CUDA, or the simulated device arena on CPU);
 * the model runs as written (no FX program, no DTensor) on this rank's slice of the batch: every
   user input Shard(0) on every mesh axis of size > 1 (``local_slices``), or Replicate (whole);
-* no redistribution edges, no checkpoint regions.
+* no redistribution edges, no checkpoint regions (a plan with regions runs as a program:
+  chunks/in_program.py).
 
 On the CPU the device is simulated (an arena tensor in host memory): there the chunk manager gets
 the plan's ``offload.simulated_device_budget_bytes`` (the budget capped at what the chunks could
@@ -116,8 +117,9 @@ def check_chunked(cap: Capture, plan: PlanDocument, model: nn.Module) -> None:
                         "with chunked state the model runs as written on each rank's batch slice: solve again with "
                         "--offload chunked, which plans pure data parallelism")
     if plan.checkpoint and plan.checkpoint.get("regions"):
-        raise mismatch("the plan has checkpoint regions and chunked state; the chunk manager runs the model as "
-                        "written: solve with --checkpoint none --offload chunked")
+        raise mismatch("the plan has checkpoint regions but execution.mode \"chunk_manager\", which runs the model "
+                        "as written: the solver gives a plan with regions and chunks execution.mode \"program\"; "
+                        "solve again")
     if plan.offload is None:
         raise mismatch("the plan marks parameters \"chunked\" but has no offload section; solve again with "
                         "--offload chunked")

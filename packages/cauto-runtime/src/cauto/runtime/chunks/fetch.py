@@ -22,6 +22,13 @@ program so that
 
 Autograd may save the DTensor for backward: the chunk manager's saved-tensor hooks store a reference
 to the chunk instead and fetch it again in backward (chunks/model.py).
+
+Checkpoint regions. A fetch belongs to the op it serves and a release to the op of the last use
+(``FETCHED_FOR``), so a region cut out of the program (runtime/checkpoint.py) contains the fetches of
+its own ops: its recomputation in backward fetches the parameters again, where their chunks are then,
+and keeps them pinned until their gradients are in (chunks/model.py). A region never takes a value
+viewing a chunk from outside (``CHUNK_VIEW``; its recomputation would read wherever the chunk was in
+forward): checkpoint.py refuses such a region by name.
 """
 
 from __future__ import annotations
@@ -35,6 +42,14 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from cauto.runtime import ops
 from cauto.runtime.dist_utils import to_placements
+
+FETCHED_FOR = "cauto_fetched_for"
+"""Node meta of a fetch or release: the plan node whose use it serves (a fetch: the op reading the
+parameter; a release: the op of the last use). A checkpoint region of that op contains it
+(runtime/checkpoint.py), so that the region's recomputation fetches the parameter again."""
+
+CHUNK_VIEW = "cauto_chunk_view"
+"""Node meta of a fetch and every value that may alias it: the chunked parameter it views."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -175,6 +190,7 @@ def insert_fetches(graph: torch.fx.Graph, chunked: set[str]) -> int:
             fetch.meta["val"] = ph.meta.get("val")
             fetch.meta["cauto_owner"] = ph.name
             fetch.meta["cauto_comment"] = "chunked parameter: gather + fetch its chunk, pin it"
+            fetch.meta[FETCHED_FOR] = user.meta.get("cauto_owner", user.name)
             user.replace_input_with(ph, fetch)
             if user.target is ops.redistribute:
                 value, mesh, placements = user.args
@@ -186,8 +202,12 @@ def insert_fetches(graph: torch.fx.Graph, chunked: set[str]) -> int:
                 release = graph.call_function(release_chunked, (ph, last if last.op != "output" else None))
             release.meta["cauto_owner"] = ph.name
             release.meta["cauto_comment"] = "chunked parameter: its forward use is over, unpin the chunk"
+            if last.op != "output":
+                release.meta[FETCHED_FOR] = last.meta.get("cauto_owner", last.name)
+            for a in aliases_of(fetch):
+                a.meta[CHUNK_VIEW] = ph.name
             fetches += 1
     return fetches
 
 
-__all__ = ["ChunkedShard", "aliases_of", "fetch_chunked", "insert_fetches", "redistribute_fetched", "release_chunked"]
+__all__ = ["CHUNK_VIEW", "FETCHED_FOR", "ChunkedShard", "aliases_of", "fetch_chunked", "insert_fetches", "redistribute_fetched", "release_chunked"]

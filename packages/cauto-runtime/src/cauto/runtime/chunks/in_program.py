@@ -20,8 +20,12 @@ parallelism without edges runs the model as written instead: chunks/data_paralle
   gradient becomes an equal share per rank, a Shard one is gathered first) and as planned on the
   other axes (chunks/fetch.py), so the chunk manager's reduce-scatter sums the ranks' shares
   (``average_grads=False``) into the gradient of the global loss.
+* Checkpoint regions (the solver's three-way plans: sharding, recomputation and chunked state) run
+  on this DTensor program as on any other: each region contains the fetches of its own ops, so its
+  recomputation fetches the chunked parameters again and keeps them pinned until their gradients are
+  in (chunks/fetch.py, chunks/model.py).
 * Every trainable parameter must be chunked (one optimizer, ``model.optimizer``, a ChunkedAdam
-  built from the ``optimizer`` factory's class and groups); no checkpoint regions; no host state.
+  built from the ``optimizer`` factory's class and groups); no host state.
 
 Loop and checkpoints as in chunks/data_parallel.py (``model.optimizer``; ``cauto.runtime.chunks.save_checkpoint``).
 """
@@ -80,9 +84,6 @@ def check_chunked_program(plan: PlanDocument, model: nn.Module) -> None:
     if bad:
         raise mismatch(f"chunked parameter {bad[0]!r} is not Replicate on the data-parallel mesh axes {axes}; the "
                         "chunk manager ZeRO-shards it there itself: the plan is malformed, solve again")
-    if plan.checkpoint and plan.checkpoint.get("regions"):
-        raise mismatch("the plan has checkpoint regions and chunked state; recomputation would fetch chunked "
-                        "parameters during backward, which the runtime does not do: solve with --checkpoint none")
 
 
 #: (mesh ranks, mesh shape, axes) -> this rank's flattened group: groups are made once per process

@@ -9,9 +9,11 @@
 * Gradients: a post-accumulate-grad hook adds ``param.grad`` into the fp32 gradient chunk, drops
   ``param.grad`` and marks the tensor HOLD_AFTER_BWD (with ZeRO this can complete a group and
   trigger its reduce-scatter). Tied parameters get one hook call per backward, after both uses.
-* Recomputation (``torch.utils.checkpoint`` inside the model): a forward that runs during backward
-  keeps its chunks pinned until all their tensors are HOLD_AFTER_BWD, because the recomputed
-  activations view the slots directly (checkpoint's own saved-tensor hooks replace ours there).
+* Recomputation (``torch.utils.checkpoint`` inside the model, or a program's checkpoint region): a
+  forward that runs during backward fetches its chunks again and keeps them pinned, because the
+  recomputed activations view the slots directly (checkpoint's own saved-tensor hooks replace ours
+  there): a module's until all the chunk's tensors are HOLD_AFTER_BWD; a program's fetch of one
+  parameter until that parameter's gradient is in (every op reading it has run its backward).
 * Programs instead of the module's forward (``module_hooks=False``; cauto.runtime's DTensor
   program with chunked parameter shards): :meth:`ChunkedModel.run` wraps one forward,
   :meth:`ChunkedModel.fetch` gathers, fetches and pins a parameter's chunk and returns the
@@ -64,6 +66,8 @@ class ChunkedModel(nn.Module):
         self._in_backward = False
         self._ring: list[tuple[str, int]] = []
         self._recompute_pins: dict[int, int] = {}
+        #: a program's recomputation: id(parameter) -> pins of its chunk held until its gradient is in
+        self._slot_pins: dict[int, int] = {}
         self._saved_storages: dict[int, int] = {}
         #: in a program's forward (run): slot index -> what its first fetch returned (the program's own
         #: bookkeeping, so that every use of a parameter sends its gradient through one autograd node)
@@ -101,18 +105,26 @@ class ChunkedModel(nn.Module):
 
     def fetch(self, index: int) -> torch.Tensor:
         """Parameter ``layout.slots[index]`` (its leaf tensor, viewing its chunk on the device), with its
-        chunk gathered, fetched and pinned until :meth:`release`."""
-        if torch._C._current_graph_task_id() != -1:
-            raise RuntimeError("a chunked parameter was fetched during backward (recomputation): chunked "
-                               "parameter shards do not combine with activation checkpointing")
+        chunk gathered, fetched and pinned until :meth:`release`; during backward (a checkpoint region's
+        recomputation fetches its chunked parameters again) pinned until this parameter's gradient is in:
+        every backward op that reads the recomputed view has run by then (module docstring)."""
         s = self.layout.slots[index]
+        recompute = torch._C._current_graph_task_id() != -1
+        if recompute:
+            self._begin_backward()
         self.manager.gather_for(s.chunk)
         self.manager.access((PARAM, s.chunk))
-        s.state = TensorState.COMPUTE
+        if recompute:  # held until this parameter's gradient is in (_grad_hook): no later read of it
+            self._slot_pins[id(s.param)] = self._slot_pins.get(id(s.param), 0) + 1
+        else:
+            s.state = TensorState.COMPUTE
         return s.param
 
     def release(self, index: int) -> None:
-        """Unpin the chunk of parameter ``layout.slots[index]`` (its forward use is over)."""
+        """Unpin the chunk of parameter ``layout.slots[index]`` (its forward use is over); during backward
+        nothing: a recomputation's pin lasts until the chunk's gradients are in."""
+        if torch._C._current_graph_task_id() != -1:
+            return
         s = self.layout.slots[index]
         self.manager.release((PARAM, s.chunk))
         if s.state is TensorState.COMPUTE:
@@ -195,6 +207,8 @@ class ChunkedModel(nn.Module):
         mgr.nonmodel_bytes -= extra
         s.state = TensorState.HOLD_AFTER_BWD
         s.has_grad = True
+        for _ in range(self._slot_pins.pop(id(param), 0)):
+            mgr.release((PARAM, s.chunk))
         if s.chunk in self._recompute_pins and all(
                 x.state is TensorState.HOLD_AFTER_BWD for x in self.layout.chunk_slots[s.chunk]):
             for _ in range(self._recompute_pins.pop(s.chunk)):
@@ -209,6 +223,10 @@ class ChunkedModel(nn.Module):
             for _ in range(pins):
                 self.manager.release((PARAM, i))
         self._recompute_pins.clear()
+        for pid, pins in self._slot_pins.items():
+            for _ in range(pins):
+                self.manager.release((PARAM, self._slot_of[pid].chunk))
+        self._slot_pins.clear()
         self.manager.end_backward()
         self._in_backward = False
         self._saved_storages.clear()

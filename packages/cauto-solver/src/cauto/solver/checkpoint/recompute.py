@@ -14,7 +14,8 @@ runs the plan (runtime apply.py ``_lowering_for_regions``):
   a region does not run again: ``add``'s backward reads no input, and the next layer norm saves its
   own gathered copy.
 * The DTensor interpreter (plans with nested regions, which the local program would recompute once
-  where nested ``torch.utils.checkpoint`` recomputes once per level). Non-reentrant checkpoint with
+  where nested ``torch.utils.checkpoint`` recomputes once per level, and plans with chunked state,
+  whose program fetches chunked parameters: ``runs_on_interpreter``). Non-reentrant checkpoint with
   early stop off re-runs the whole region: every forward collective of an edge whose consumer lies in
   a region runs once more per enclosing region.
 
@@ -124,10 +125,17 @@ def recomputed_inputs(graph_doc: dict, regions: list[dict], redistributed: set[t
     return again
 
 
+def runs_on_interpreter(plan_doc: dict, regions: list[dict]) -> bool:
+    """Whether the runtime runs ``plan_doc`` with ``regions`` on the DTensor interpreter (module
+    docstring): nested regions, or chunked parameter state (runtime apply.py)."""
+    return any(region.get("children") for region in regions) or \
+        any(p.get("state") == "chunked" for p in plan_doc.get("params", {}).values())
+
+
 def recompute_collectives(plan_doc: dict, regions: list[dict], graph_doc: dict) -> list[dict]:
     """The collectives recomputation runs in backward, as the plan's lowering runs them (module
     docstring): phase "backward", ``where`` "recompute: <edge>"."""
-    if any(region.get("children") for region in regions):  # the interpreter: whole regions, once per level
+    if runs_on_interpreter(plan_doc, regions):  # whole regions, once per level
         depth = region_depths(regions)
         times = {(e["dst"], e["arg"]): depth.get(e["dst"], 0) for e in plan_doc.get("edges", [])}
     else:

@@ -283,6 +283,11 @@ class MemoryModel:
                 synced += stored
         return computed, stored_all, synced
 
+    def recompute_pinned_bytes(self, by_id: dict, chosen: dict[str, Strategy], region: set[str]) -> int:
+        """Bytes a region's recomputation holds besides activations: none here (parameters stay on the
+        device; offload/memory.py's chunks are fetched again)."""
+        return 0
+
     def optimizer_extra_bytes(self, nodes, chosen) -> int:
         """The optimizer step's temporaries per device: the unsharded run's, scaled like the largest
         parameter (module doc)."""

@@ -89,14 +89,20 @@ def device_timeline(plan: Mapping, graph: GraphDocument | Mapping) -> DeviceTime
     nodes = [n for n in g.nodes if n.kind != "output"]
     memory.calibrate(nodes, {n.id: strategies[n.id][0] for n in nodes}, int(g.memory.get("peak_bytes", 0)), g.memory)
     chosen = plan_strategies(plan, g, strategies)
-    offload = plan.get("offload")
-    if offload and any(p.get("state") == "chunked" for p in plan["params"].values()):
-        numels = [numel(n) for n in nodes if n.kind == "param" and not n.tied_to and n.requires_grad is not False]
-        axes = offload.get("mesh_axes")  # the data-parallel axes D the chunks are ZeRO-sharded over
-        chunks = OffloadModel(None, int(offload["device_budget_bytes"]), int(offload["chunk_elems"]),
-                              max(numels, default=0), None if axes is None else tuple(axes))  # needs no cluster
-        memory = chunked_memory_model(memory, chunks)
+    memory = with_plan_chunks(plan, nodes, memory)
     return _walk(memory, nodes, chosen, list((plan.get("checkpoint") or {}).get("regions") or []))
+
+
+def with_plan_chunks(plan: Mapping, nodes: list, memory: MemoryModel) -> MemoryModel:
+    """``memory``, or for a plan with chunked state offload/memory.py's model of its chunks."""
+    offload = plan.get("offload")
+    if not offload or not any(p.get("state") == "chunked" for p in plan["params"].values()):
+        return memory
+    numels = [numel(n) for n in nodes if n.kind == "param" and not n.tied_to and n.requires_grad is not False]
+    axes = offload.get("mesh_axes")  # the data-parallel axes D the chunks are ZeRO-sharded over
+    chunks = OffloadModel(None, int(offload["device_budget_bytes"]), int(offload["chunk_elems"]),
+                          max(numels, default=0), None if axes is None else tuple(axes))  # needs no cluster
+    return chunked_memory_model(memory, chunks)
 
 
 def _walk(memory: MemoryModel, nodes: list, chosen: dict[str, Strategy], regions: list) -> DeviceTimeline:
@@ -106,7 +112,8 @@ def _walk(memory: MemoryModel, nodes: list, chosen: dict[str, Strategy], regions
 
 def device_peak_judge(graph_doc: dict):
     """``(sharding plan document, regions) -> peak bytes per device`` for plans of ``graph_doc``:
-    the strategies each plan names, on the memory model calibrated as ``solve`` calibrates it."""
+    the strategies each plan names, on the memory model calibrated as ``solve`` calibrates it (with a
+    plan's chunked state, ``with_plan_chunks``)."""
     g = graph_document(graph_doc)
     nodes = [n for n in g.nodes if n.kind != "output"]
     train = bool(g.settings.get("train", True))
@@ -124,6 +131,6 @@ def device_peak_judge(graph_doc: dict):
             models[key] = (strategies, memory)
         strategies, memory = models[key]
         chosen = plan_strategies(plan_doc, g, strategies)
-        return predicted_peak_bytes(memory, nodes, chosen, regions)
+        return predicted_peak_bytes(with_plan_chunks(plan_doc, nodes, memory), nodes, chosen, regions)
 
     return judge

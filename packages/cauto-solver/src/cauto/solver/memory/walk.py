@@ -16,7 +16,10 @@ saved once its backward ran):
   recomputed when backward entered the region) + the held inputs of regions not yet done (a nested
   region's from its parent's recomputation on) + gradients of parameters whose consumers' backward
   already ran (at the placement backward computes them) + gradients of activations waiting for
-  their producer's backward (created by the last consumer's backward) + what ``n``'s backward
+  their producer's backward (created by the last consumer's backward) + with chunked state, the
+  parameter chunks the recomputation of the top-level region holding ``n`` fetched again (held until
+  the region's backward is done: an upper bound, the runtime unpins each as its gradient arrives)
+  + what ``n``'s backward
   allocates: gradients of its outputs and inputs, and its transient bytes. Activation gradients are
   counted for real floating values only (``cauto.plan.dtypes.is_floating``); a complex activation's
   gradient, which the ILP's ``tensor_requires_grad`` (``has_gradient``) does count, is not.
@@ -277,6 +280,7 @@ def _backward_points(walk: _Walk, nesting: _Nesting, saved: dict[str, int], stat
     grads_from = _param_grads_from(walk)
     saved_upto = _saved_prefix_sums(walk, nesting, saved)
     pending = _waiting_grads(walk)
+    pinned = {i: memory.recompute_pinned_bytes(by_id, chosen, members[i]) for i in nesting.top}
     points: list[tuple[str, str | None, int]] = []
     grads = 0
     for t in range(len(ops) - 1, -1, -1):
@@ -286,6 +290,7 @@ def _backward_points(walk: _Walk, nesting: _Nesting, saved: dict[str, int], stat
         live = saved_upto[None][t] + sum(saved_upto[i][t] for i, m in enumerate(members) if n.id in m)
         live += sum(held[i] for i in range(len(members))
                     if span[i][0] <= t and (parent[i] is None or n.id in members[parent[i]]))
+        live += sum(pinned[i] for i in nesting.top if n.id in members[i])
         grads += grads_from.get(t, 0)
         out_grads = sum(walk.dev_bytes(n, o, s.outputs[o]) for o in range(min(len(n.outputs), len(s.outputs)))
                         if is_floating(n.outputs[o].dtype))
@@ -320,8 +325,9 @@ def _regathered_bytes(walk: _Walk, nesting: _Nesting, n) -> int:
     op whose backward reads an input that reaches it by an all-gather of an inner dimension
     (checkpoint/recompute.py) has the gathered result and its ``cat`` live at once, while the gradient
     of its output and of that input are (module doc: Backward)."""
-    if n.id not in nesting.innermost or any(nesting.parent[i] is not None for i in nesting.parent):
-        return 0  # outside regions nothing is gathered again; nested regions run on the interpreter
+    if n.id not in nesting.innermost or any(nesting.parent[i] is not None for i in nesting.parent) \
+            or getattr(walk.memory, "offload", None) is not None:
+        return 0  # outside regions nothing is gathered again; nested regions and chunks run on the interpreter
     s = walk.chosen[n.id]
     most = 0
     for k, pl in enumerate(input_placements(n, walk.by_id, walk.chosen)):

@@ -1,11 +1,13 @@
 """Device memory with chunked state: chunked parameters hold nothing but the chunk working set, which
-is always live (model.py's docstring has the model)."""
+is always live (model.py's docstring has the model), and, during a checkpoint region's backward, the
+chunks its recomputation fetched again (``recompute_pinned_bytes``)."""
 
 from __future__ import annotations
 
-from cauto.plan import GraphNode
+from cauto.plan import GraphNode, split_ref
+from cauto.plan.chunking import chunk_indices
 from cauto.solver.memory.model import MemoryModel
-from cauto.solver.offload.model import OffloadModel
+from cauto.solver.offload.model import PARAM_ITEMSIZE, OffloadModel, local_numel
 from cauto.solver.strategies.node import Strategy
 
 
@@ -27,6 +29,20 @@ class ChunkedMemoryModel(MemoryModel):
             ws = self.offload.working_set_bytes
             return peak + ws, state + ws, rest, t, phase
         return peak, state, rest, t, phase
+
+    def recompute_pinned_bytes(self, by_id: dict, chosen: dict[str, Strategy], region: set[str]) -> int:
+        """Bytes of the parameter chunks a region's recomputation fetches again and keeps pinned until their
+        parameters' gradients are in (the runtime's chunks/model.py): every chunk holding a chunked
+        parameter an op of ``region`` reads, packed as the runtime packs them (graph order, local shards)."""
+        mesh = tuple(self.mesh_shape)
+        params = [n for n in by_id.values() if n.kind == "param" and n.id in chosen and self.offload.chunks(n, chosen[n.id])]
+        (indices,) = chunk_indices([[local_numel(n, chosen[n.id].outputs[0], mesh) for n in params]],
+                                   self.offload.chunk_elems)
+        chunk_of = {n.id: i for n, i in zip(params, indices)}
+        read = {chunk_of[owner] for node_id in region for ref in by_id[node_id].inputs
+                if (src := by_id.get(split_ref(ref)[0])) is not None and src.kind == "param"
+                and (owner := src.tied_to or src.id) in chunk_of}
+        return len(read) * self.offload.chunk_elems * PARAM_ITEMSIZE
 
     def optimizer_extra_bytes(self, nodes, chosen) -> int:
         # the optimizer's temporaries scale with the largest parameter it updates on the device

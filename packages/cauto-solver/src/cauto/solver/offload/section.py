@@ -15,9 +15,10 @@ from cauto.solver.strategies.node import Strategy
 
 
 def offload_section(model: OffloadModel, sharding: dict, graph: GraphDocument,
-                    chosen: dict[str, Strategy]) -> OffloadSection | None:
+                    chosen: dict[str, Strategy], program: bool = False) -> OffloadSection | None:
     """What ``model``'s chunks make of the sharding section ``sharding`` (written with the chunked memory
-    model's predictions) for the strategies ``chosen``; None when no parameter is chunked."""
+    model's predictions) for the strategies ``chosen``; None when no parameter is chunked. ``program``:
+    the runtime runs it as a program even where the model as written could (checkpoint regions)."""
     params = [n for n in graph.nodes if n.kind == "param"]
     chunked = [n for n in params if model.chunks(n, chosen[n.id])]
     if not chunked:
@@ -32,7 +33,7 @@ def offload_section(model: OffloadModel, sharding: dict, graph: GraphDocument,
     arena = model.budget_bytes - nonmodel
     moved = model.traffic_bytes(num_chunks, arena)
     trainable = [n for n in params if not n.tied_to and n.requires_grad is not False]
-    plain = model.pure and len(chunked) == len(trainable) and not sharding["edges"]
+    plain = model.pure and len(chunked) == len(trainable) and not sharding["edges"] and not program
     data_axes = set(model.mesh_axes)
 
     def kept(c: dict) -> bool:
@@ -65,8 +66,20 @@ def offload_section(model: OffloadModel, sharding: dict, graph: GraphDocument,
         offload=section, params=plan_params,
         grad_sync=[c for c in sharding.get("grad_sync", []) if kept(c)],
         # the chunk manager runs the model as written (no program, so no program gradient reductions)
-        execution=execution_section(len(model.cluster.mesh_shape), section, sharding["edges"], collectives),
+        execution=execution_section(len(model.cluster.mesh_shape), section, sharding["edges"], collectives,
+                                    program=program),
         predictions={**pred, "step_time_s": step_time_s, "collectives": collectives})
+
+
+def offload_at_peak(model: OffloadModel, offload: dict, peak_bytes: int) -> tuple[dict, float]:
+    """The ``offload`` section of a plan whose predicted peak is ``peak_bytes`` (a checkpointed plan's,
+    lower than its sharding's): the arena the runtime will size (budget minus the non-model peak) and the
+    traffic with it; and that traffic's seconds (``step_time_s.offload``)."""
+    arena = model.budget_bytes - (int(peak_bytes) - model.working_set_bytes)
+    moved = model.traffic_bytes(int(offload["num_chunks"]), arena)
+    section = {**offload, "arena_bytes": int(arena), "moved_bytes": int(moved)}
+    section["simulated_device_budget_bytes"] = simulated_device_budget_bytes(section, int(peak_bytes))
+    return section, moved / model.host_link_bandwidth_bytes_per_s
 
 
 def _flattened(model: OffloadModel, axes: tuple[int, ...], op: str, nbytes: int, phase: str, where: str) -> dict:
