@@ -158,14 +158,13 @@ def _joint_plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options: P
             ilp_only = replace(sharding, checkpoint=CheckpointSection(dict(ILP_ONLY_CHECKPOINT)))
         except InfeasibleBudgetError as exc:
             ilp_error = exc
-    solve_sharding_at = ilp_sharding(graph_doc, cluster, solver=solver, time_limit_s=time_limit_s,
-                                     reduce_dtype=reduce_dtype_name(options))
+    kwargs = dict(solver=solver, time_limit_s=time_limit_s, reduce_dtype=reduce_dtype_name(options))
+    solve_sharding_at = ilp_sharding(graph_doc, cluster, **kwargs)
+    least = least_ilp_sharding(solve_sharding_at, graph_doc, cluster, **kwargs)
     if progress is not None:
         solve_sharding_at = counted(solve_sharding_at, progress, joint_solves_at_most())
     result = joint_plan(graph_doc, budget, solve_sharding_at, device=device_dict(cluster),
-                        device_peak=device_peak_judge(graph_doc),
-                        least_sharding=least_ilp_sharding(graph_doc, cluster, solver=solver, time_limit_s=time_limit_s,
-                                                          reduce_dtype=reduce_dtype_name(options)))
+                        device_peak=device_peak_judge(graph_doc), least_sharding=least)
     if progress is not None:
         progress(CHECKPOINT_PHASE, joint_solves_at_most(), joint_solves_at_most())
     floor = result.floor_bytes or 0
@@ -192,15 +191,17 @@ _SOLVED: OrderedDict[tuple, dict | None] = OrderedDict()
 SOLVES_KEPT = 64
 
 
-def least_ilp_sharding(graph_doc: dict, cluster: ClusterSpec, **solve_kwargs):
+def least_ilp_sharding(solve_at: SolveSharding, graph_doc: dict, cluster: ClusterSpec, **solve_kwargs):
     """A callable giving the ILP's least-memory sharding (the joint search's ``least_sharding``): the ILP
-    at a one-byte budget names the least budget it reaches (InfeasibleBudgetError), solved there. Kept
-    with the solves (``ilp_sharding``); None where the ILP names none."""
-    solve_at = ilp_sharding(graph_doc, cluster, **solve_kwargs)
-    key = (*_solve_key(graph_doc, cluster, solve_kwargs), "least")
+    at a one-byte budget names the least budget it reaches (InfeasibleBudgetError), solved there with
+    ``solve_at`` (``ilp_sharding`` of the same graph, cluster and options, whose solves it is kept
+    with); None where the ILP names none."""
+    key = (*solve_at.options, "least")
 
     def least() -> ShardingResult | None:
-        if key not in _SOLVED:
+        if key in _SOLVED:
+            _SOLVED.move_to_end(key)
+        else:
             try:
                 solve(graph_doc, cluster, memory_budget=1, **solve_kwargs)
                 _SOLVED[key] = None
@@ -242,6 +243,7 @@ def ilp_sharding(graph_doc: dict, cluster: ClusterSpec, **solve_kwargs) -> Solve
             _SOLVED.popitem(last=False)
         return None if plan is None else sharding_result_from_plan(plan)
 
+    solve_sharding.options = options  # what its solves are kept under (least_ilp_sharding)
     return solve_sharding
 
 
@@ -311,11 +313,13 @@ def _chunked_joint_plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, op
     kwargs = dict(solver=options.solver, time_limit_s=options.time_limit_s, offload=True, offload_axes=axes,
                   device_budget=budget, program=True)
     solve_at = ilp_sharding(graph_doc, cluster, **kwargs)
+    if solve_at(None) is None:  # no chunked plan over these axes at any budget (pure 2 x 2 with attention)
+        raise InfeasibleBudgetError(budget, 0, [])
+    least = least_ilp_sharding(solve_at, graph_doc, cluster, **kwargs)
     if progress is not None:
         solve_at = counted(solve_at, progress, joint_solves_at_most())
     result = joint_plan(graph_doc, budget, solve_at, device=device_dict(cluster),
-                        device_peak=device_peak_judge(graph_doc),
-                        least_sharding=least_ilp_sharding(graph_doc, cluster, **kwargs))
+                        device_peak=device_peak_judge(graph_doc), least_sharding=least)
     if result.best is None:  # the search's floor: the same at every budget (joint.py)
         raise InfeasibleBudgetError(budget, int(result.needed_bytes or 0), [])
     sharding = result.best.sharding.plan
