@@ -34,8 +34,15 @@ import tempfile
 from pathlib import Path
 
 MIB = 2**20
-#: name -> (launch target, batch, seq, mesh); the zoo's other sizes are its defaults (dim 64, 2 layers)
-MODELS = {"gpt": ("cauto.profiler.zoo:gpt", 16, 64, (4,)), "llama": ("cauto.profiler.zoo:llama", 16, 64, (2, 2))}
+#: name -> (launch target, batch, seq, mesh); the zoo's other sizes are its defaults (dim 64; Llama 2 layers)
+MODELS = {"gpt": (f"{Path(__file__).resolve()}:gpt_4_layers", 16, 64, (4,)),
+          "llama": ("cauto.profiler.zoo:llama", 16, 64, (2, 2))}
+
+
+def gpt_4_layers(batch: int = 16, seq: int = 64):
+    """The zoo GPT with 4 layers (launch's target, by this file's path)."""
+    from cauto.profiler import zoo
+    return zoo.gpt(batch=batch, seq=seq, layers=4)
 LR = 1e-3
 #: loss parity with one process: relative difference per step
 LOSS_TOL = 1e-4
@@ -83,7 +90,7 @@ def reference_losses(target: str, batch: int, seq: int, steps: int) -> list[floa
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
@@ -108,8 +115,20 @@ def _measured_peak(doc: dict, rep: dict) -> tuple[int, int]:
 
 
 def _collectives_equal(rep: dict) -> tuple[bool, int]:
-    coll = rep["collectives"]
-    return coll["predicted"] == coll["executed"], sum(coll["executed"].values())
+    """(every collective of the step is one the plan predicts, how many ran) of a --verify report: the
+    chunk report's per-op counts, or the program's forward and backward counts and gradient buckets' bytes."""
+    if "collectives" in rep:
+        coll = rep["collectives"]
+        return coll["predicted"] == coll["executed"], sum(coll["executed"].values())
+    sync = rep["grad_sync"]
+    equal = all(rep[ph]["predicted"] == rep[ph]["executed"] for ph in ("forward", "backward")) and \
+        sync["predicted_bytes"] == sync["executed_bytes"]
+    return equal, sum(sum(rep[ph]["executed"].values()) for ph in ("forward", "backward")) + sync["executed_buckets"]
+
+
+def _without_options(doc: dict) -> str:
+    """The plan as JSON without what records how it was asked for (options, solve time)."""
+    return json.dumps({k: v for k, v in doc.items() if k not in ("options", "solver")}, sort_keys=True)
 
 
 def sweep(name: str, fractions: list[float], steps: int, tmp: Path) -> list[str]:
@@ -161,7 +180,7 @@ def sweep(name: str, fractions: list[float], steps: int, tmp: Path) -> list[str]
         traffic = f"{moved['predicted'] / MIB:.2f} / {moved['measured'] / MIB:.2f}" if moved else "0 / 0"
         rival = min((label for label in docs if label != "all levers"), key=times.get, default=None)
         rival_meas = ""
-        if rival is not None and json.dumps(docs[rival], sort_keys=True) != json.dumps(doc, sort_keys=True):
+        if rival is not None and _without_options(docs[rival]) != _without_options(doc):
             rpath = tmp / f"{name}-{fraction}-rival.json"
             rpath.write_text(json.dumps(docs[rival]))
             _, rsecs, _ = _train(target, batch, seq, rpath, steps)
