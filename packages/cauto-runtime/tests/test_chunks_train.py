@@ -274,7 +274,10 @@ def test_activation_checkpointing_inside_the_model():
         return CheckpointedGPT()
 
     base_losses, base_params = train_baseline(factory, adamw, gpt_batch)
-    model, opt, losses = train_chunked(factory, adamw, gpt_batch, budget(gpt_factory, gpt_batch, 0.25))
+    # the checkpointed model's own non-model peak (its recomputation in backward: 0.31 MiB measured; the
+    # plain GPT's 0.42 MiB left too small an arena beside it) and 40% of the state, which still pages: a
+    # recomputed block keeps its chunks pinned until its gradients are in (0.40 MiB of chunks at once)
+    model, opt, losses = train_chunked(factory, adamw, gpt_batch, budget(factory, gpt_batch, 0.4))
     assert losses == base_losses
     for p, q in zip(params_of(model), base_params):
         assert torch.equal(p, q)
