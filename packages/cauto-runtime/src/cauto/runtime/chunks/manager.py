@@ -11,8 +11,9 @@ Chunk lists (one :class:`Chunk` per list and chunk index, all with the same layo
 Placement. A chunk is on the device (a slot of the :class:`~.memory.Arena`), on the host, or both
 (host copy clean). ``access`` moves a chunk to the device and pins it; eviction copies back only
 when the device copy is newer than the host one. The first iteration is a warm-up: it records the
-sequence of chunk accesses and the non-model memory at each of them, evicting least-recently-used.
-Afterwards the arena shrinks to budget minus the non-model peak, and eviction is Belady/OPT on the
+sequence of chunk accesses and the non-model peak (on CUDA allocated bytes minus the arena at each
+access and at the allocator's peak; on CPU measured by the wrapped model, chunks/model.py), evicting
+least-recently-used. Afterwards the arena shrinks to budget minus the non-model peak, and eviction is Belady/OPT on the
 recorded sequence: evict the unpinned chunk whose next use is furthest away. After each access the
 next chunk of the sequence is prefetched when it fits without evicting anything.
 
@@ -95,7 +96,7 @@ class ChunkManager:
         self.trace_pinned_bytes: list[int] = []
         self.next_uses: dict[tuple[str, int], list[int]] = {}
         self.moment = 0
-        self.nonmodel_bytes = 0   # current non-model bytes as reported by the tracker
+        self.nonmodel_bytes = 0   # CUDA: non-model bytes at the last recorded access
         self.nonmodel_peak_bytes = 0
         #: while a CPU warm-up step is measured (chunks/model.py): this manager allocates its own buffers
         #: (host chunks, collective staging, gloo's copies inside its collectives) in a profiler scope
