@@ -68,3 +68,29 @@ def test_chunked_state_counts_the_working_set(graph_fn, make_cluster):
     timeline = device_timeline(plan, graph)
     assert timeline.peak_bytes == plan["predictions"]["peak_bytes"]
     assert timeline.state_bytes == plan["predictions"]["model_state_bytes"] >= plan["offload"]["working_set_bytes"]
+
+
+def test_an_output_only_its_consumers_keep_is_freed_by_the_first_keepers_backward(make_cluster):
+    """walk.py: autograd frees a value once every node that saved it ran its backward. In the synthetic
+    MLP (linear, gelu, linear, sum) the first linear's output is kept by gelu (its backward reads its
+    input) and gelu's by the second linear: each is freed by its keeper's backward, not its producer's.
+    The second linear's output is kept by nobody that reads it (sum's backward reads nothing): it stays
+    with its producer."""
+    from cauto.solver.memory.model import MemoryModel
+    from cauto.solver.memory.walk import _freed_by_backward, _nesting, _saved_bytes, _Walk
+    from cauto.solver.strategies.groups import enumerate_strategies
+
+    graph = GraphDocument.from_dict(synthetic.mlp())
+    plan = solve(graph, make_cluster(1))
+    nodes = [n for n in graph.nodes if n.kind != "output"]
+    strategies = enumerate_strategies(graph, (1,), tuple(plan["mesh"]["axis_names"]))
+    chosen = {n.id: strategies[n.id][0] for n in nodes}
+    memory = MemoryModel((1,), "adamw", True)
+    ops = [n for n in nodes if n.kind == "op"]
+    walk = _Walk(memory, chosen, {n.id: n for n in nodes}, ops, {n.id: i for i, n in enumerate(ops)})
+    saved = _saved_bytes(walk, {}, set())
+    freed = _freed_by_backward(walk, _nesting(walk, (), saved), saved, {})
+    first, act, second, loss = [n.id for n in ops]
+    assert saved[first] and saved[act] and saved[second]
+    assert freed == {first: 0, act: saved[first], second: saved[act] + saved[second], loss: saved[loss]}
+    assert sum(freed.values()) == sum(saved.values())

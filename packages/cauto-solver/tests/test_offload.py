@@ -105,12 +105,12 @@ def test_chunk_size_is_the_runtime_rule():
 
 def test_traffic_model():
     c = cluster_for_mesh("cpu-gloo", (2,))
-    m = OffloadModel(c, 1 << 20, 1024, 1024)
+    m = OffloadModel(c, 1 << 20, 1024)
     p = 4 * 4 * 1024  # four chunks of fp32 params
     # everything fits: the other rank's gathered chunks arrive, the own chunk leaves for the gather and
     # its reduced gradient shard arrives for the device-side Adam (gradient chunks are fp32 too: G = P)
     assert m.traffic_bytes(4, 10 << 20) == p // 2 + (p + p) // 2
-    assert OffloadModel(cluster_for_mesh("cpu-gloo", (1,)), 1 << 20, 1024, 1024).traffic_bytes(4, 10 << 20) == 0
+    assert OffloadModel(cluster_for_mesh("cpu-gloo", (1,)), 1 << 20, 1024).traffic_bytes(4, 10 << 20) == 0
     tight = m.traffic_bytes(4, m.working_set_bytes)  # no spare room: every chunk comes back for backward
     assert tight == p + p // 2 + p
     assert m.traffic_bytes(4, m.working_set_bytes + p) == p + p // 2
@@ -201,7 +201,7 @@ def test_chunks_hold_local_shards(mesh22, mixed):
     chosen = plan_strategies(mixed, graph, enumerate_strategies(graph, (2, 2), ("dp", "tp")))
     trainable = [n for n in graph.nodes if n.kind == "param" and not n.tied_to and n.requires_grad is not False]
     chunk_elems = 32768  # the largest parameter: small chunks, so that the shards' count differs from the whole's
-    model = OffloadModel(mesh22, 1 << 30, chunk_elems, chunk_elems, (0,))
+    model = OffloadModel(mesh22, 1 << 30, chunk_elems, (0,))
     local = [_local_numel(n.outputs[0].shape, mixed["params"][n.id]["placements"], [2, 2]) for n in trainable]
     full = [math.prod(n.outputs[0].shape) for n in trainable]
     assert model.num_chunks(trainable, chosen) == count_chunks([local], chunk_elems, 2) < count_chunks([full], chunk_elems, 2)
@@ -319,7 +319,7 @@ def test_zero_collectives_are_one_per_chunk_group_over_several_axes():
     from cauto.solver.offload.section import zero_collectives
 
     for mesh, axes in [((2, 2), (0, 1)), ((2, 1, 2), (0, 2)), ((2, 2, 1), (0, 2))]:
-        m = OffloadModel(cluster_for_mesh("cpu-gloo", mesh), 1 << 20, 1024, 1024, axes)
+        m = OffloadModel(cluster_for_mesh("cpu-gloo", mesh), 1 << 20, 1024, axes)
         out = zero_collectives(m, 2 * m.group_size, 3)
         assert [(c["op"], c["phase"]) for c in out] == [("all_gather", "forward"), ("reduce_scatter", "backward")] * 2 \
             + [("all_reduce", "optimizer")], (mesh, axes)

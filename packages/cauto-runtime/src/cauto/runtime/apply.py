@@ -190,6 +190,9 @@ class ParallelModule(nn.Module):
                 self.lowered.reduce_grads = reduce
                 self.grad_sync.in_graph = self.lowered.grad_buckets
         if self.chunked is not None:
+            if self.chunked.manager.recording:  # the warm-up measures non-model memory (chunks/model.py)
+                from cauto.runtime.verify import input_shard_bytes
+                self.chunked.input_bytes = input_shard_bytes(self)
             (loss,) = self.chunked.run(self.executable.module, *self._state, *flat)
         elif self.lowered is not None:
             (loss,) = self.lowered(*self._state, *flat)

@@ -108,8 +108,13 @@ def measured_peak_bytes(step, module, optimizer, repeats: int = 2) -> int:
     return min(peaks)
 
 
-def allocation_peak(prof, steady_state: bool = False) -> int:
+def allocation_peak(prof, steady_state: bool = False, until_ns: int | None = None, exclude_scope: str = "") -> int:
     """Peak of bytes allocated and still live during a profiled region, from its allocation events.
+
+    ``until_ns``: the region ends there (``time.time_ns()``'s clock, the profiler's), not at the
+    session's end: later events are not counted. ``exclude_scope``: no allocation made while a
+    ``torch.profiler.record_function`` of that name runs counts (the chunk manager's own buffers,
+    chunks/model.py; gloo's, made in its ``gloo:`` events beside the scope, included).
 
     A free that happened on a gloo worker thread is not reported. A block without a free event was
     freed on another thread: when its address is handed out again (the allocator cannot hand out a
@@ -124,12 +129,15 @@ def allocation_peak(prof, steady_state: bool = False) -> int:
         from torch._C._profiler import _EventType
 
         allocations = []
+        scopes = []  # (start, end) of each exclude_scope event
         stack = [(root, root.end_time_ns) for root in prof.profiler.kineto_results.experimental_event_tree()]
         while stack:
             node, outer_end_ns = stack.pop()
             for child in node.children:  # the end of the innermost collective op, else of the outermost op
                 collective = child.tag != _EventType.Allocation and _is_collective(child.name)
                 stack.append((child, child.end_time_ns if collective else outer_end_ns))
+            if exclude_scope and node.name == exclude_scope:
+                scopes.append((node.start_time_ns, node.end_time_ns))
             if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
                 allocations.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size,
                                     outer_end_ns))
@@ -140,6 +148,7 @@ def allocation_peak(prof, steady_state: bool = False) -> int:
             peak = max(peak, live)
         return peak
     allocations.sort(key=lambda a: a[0])
+    allocations = _without([a for a in allocations if until_ns is None or a[0] <= until_ns], scopes)
     # match every allocation with its free: a free event on this thread, or none (freed elsewhere)
     frees: list[tuple[int, int, int]] = []  # (time, ptr, -size)
     open_at: dict[int, int] = {}  # ptr -> index of the live allocation there
@@ -160,6 +169,27 @@ def allocation_peak(prof, steady_state: bool = False) -> int:
         live += size
         peak = max(peak, live)
     return peak
+
+
+def _without(allocations: list, during: list[tuple[int, int]]) -> list:
+    """``allocations`` (time-ordered events) less the blocks made ``during`` one of those (start, end)
+    times, and their frees: a free event at an excluded block's address, or a new block there (it was
+    freed on another thread). An excluded block stays as a 0-byte event: a free of what was counted at
+    its address before (the allocator handed the address out again)."""
+    if not during:
+        return allocations
+    excluded: set[int] = set()  # addresses of excluded blocks still live
+    out = []
+    for t, ptr, size, dating in allocations:
+        if ptr in excluded:
+            excluded.discard(ptr)
+            if size < 0:
+                continue
+        if size > 0 and any(start <= t <= end for start, end in during):
+            excluded.add(ptr)
+            size = 0  # counts nothing, but proves a block counted at ptr was freed
+        out.append((t, ptr, size, dating))
+    return out
 
 
 def _is_collective(name: str) -> bool:

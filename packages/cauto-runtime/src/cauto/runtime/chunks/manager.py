@@ -11,8 +11,9 @@ Chunk lists (one :class:`Chunk` per list and chunk index, all with the same layo
 Placement. A chunk is on the device (a slot of the :class:`~.memory.Arena`), on the host, or both
 (host copy clean). ``access`` moves a chunk to the device and pins it; eviction copies back only
 when the device copy is newer than the host one. The first iteration is a warm-up: it records the
-sequence of chunk accesses and the non-model memory at each of them, evicting least-recently-used.
-Afterwards the arena shrinks to budget minus the non-model peak, and eviction is Belady/OPT on the
+sequence of chunk accesses and the non-model peak (on CUDA allocated bytes minus the arena at each
+access and at the allocator's peak; on CPU measured by the wrapped model, chunks/model.py), evicting
+least-recently-used. Afterwards the arena shrinks to budget minus the non-model peak, and eviction is Belady/OPT on the
 recorded sequence: evict the unpinned chunk whose next use is furthest away. After each access the
 next chunk of the sequence is prefetched when it fits without evicting anything.
 
@@ -27,6 +28,7 @@ backward reduces the rest, used or not).
 from __future__ import annotations
 
 import bisect
+import contextlib
 from collections import OrderedDict
 
 import torch
@@ -37,6 +39,7 @@ from .chunk import Chunk, Layout, TensorState, chunk_state
 
 PARAM, GRAD, RGRAD, MASTER, EXP_AVG, EXP_AVG_SQ = "param", "grad", "rgrad", "master", "m", "v"
 BACKWARD_PINS = 2  # distinct param chunks an autograd node may unpack at once
+OWN_BUFFERS = "cauto::chunk_buffers"  # the profiler scope in which the manager allocates its own buffers
 
 
 POLICIES = ("belady", "lru", "naive")
@@ -93,8 +96,12 @@ class ChunkManager:
         self.trace_pinned_bytes: list[int] = []
         self.next_uses: dict[tuple[str, int], list[int]] = {}
         self.moment = 0
-        self.nonmodel_bytes = 0   # current non-model bytes as reported by the tracker
+        self.nonmodel_bytes = 0   # CUDA: non-model bytes at the last recorded access
         self.nonmodel_peak_bytes = 0
+        #: while a CPU warm-up step is measured (chunks/model.py): this manager allocates its own buffers
+        #: (host chunks, collective staging, gloo's copies inside its collectives) in a profiler scope
+        #: named ``OWN_BUFFERS``: not non-model memory
+        self.measuring = False
         self._gathered_groups = 0
         self._reduced_below = 0
         self._empty = torch.empty(0, dtype=compute_dtype, device=device)
@@ -129,6 +136,11 @@ class ChunkManager:
                 self._make_present(self.chunks[(GRAD, i)], zero=True)
             self._repoint(self.chunks[(PARAM, i)])
 
+    def _own_buffers(self):
+        """The context in which this manager allocates its own buffers: a profiler scope (``OWN_BUFFERS``)
+        while a warm-up step is measured."""
+        return torch.profiler.record_function(OWN_BUFFERS) if self.measuring else contextlib.nullcontext()
+
     def _make_present(self, c: Chunk, zero: bool) -> Chunk:
         c.present, c.zero, c.dirty = True, zero, False
         return c
@@ -137,7 +149,8 @@ class ChunkManager:
     def host_view(self, c: Chunk) -> torch.Tensor:
         """The chunk's content on the host (copying back a newer device copy, keeping it resident)."""
         if c.host is None:
-            c.host = self.mover.host_empty(c.numel, c.dtype)
+            with self._own_buffers():
+                c.host = self.mover.host_empty(c.numel, c.dtype)
             if c.kind == PARAM:
                 self._register(c)
         if c.zero:
@@ -427,8 +440,9 @@ class ChunkManager:
             own = self.chunks[(PARAM, g * w + self.rank)]
             inp = self.host_view(own).to(self.comm_device) if self.comm_device.type == "cpu" \
                 else self.payload(own)
-            out = torch.empty(w * n, dtype=self.compute_dtype, device=self.comm_device)
-            dist.all_gather_single(out, inp, group=self.pg)
+            with self._own_buffers():
+                out = torch.empty(w * n, dtype=self.compute_dtype, device=self.comm_device)
+                dist.all_gather_single(out, inp, group=self.pg)
             self.mover.traffic.comm_bytes += out.numel() * out.element_size()
             host_out = out.cpu()
             for r in range(w):
@@ -462,7 +476,8 @@ class ChunkManager:
             return
         while self._reduced_below > 0 and (final or self.group_done(self._reduced_below - 1)):
             self._reduced_below -= 1
-            self._reduce_group(self._reduced_below)
+            with self._own_buffers():
+                self._reduce_group(self._reduced_below)
 
     def _reduce_group(self, g: int) -> None:
         w, n = self.world_size, self.layout.chunk_elems

@@ -19,21 +19,31 @@
   :meth:`ChunkedModel.fetch` gathers, fetches and pins a parameter's chunk and returns the
   parameter (viewing it), :meth:`ChunkedModel.release` unpins it. Saved DTensors whose local tensor
   views a chunk are saved as a reference plus their DTensor spec, like plain tensors.
-* Non-model memory for the warm-up trace: on CUDA, allocated bytes minus the arena; on CPU, the
-  distinct storages autograd saves plus the gradient being accumulated (activations are what
-  dominates non-model memory; workspace of individual operators is not seen there).
+* Non-model memory, which the warm-up (the first optimizer step) measures to size the arena: on
+  CUDA, allocated bytes minus the arena, at every chunk access and at the allocator's peak. On CPU
+  each forward-to-end-of-backward of the warm-up runs under ``torch.profiler`` (``profile_memory``)
+  and its peak of live bytes (``cauto.runtime.verify.allocation_peak``: every allocation and free,
+  frees on gloo threads dated as there) is added to what was live when it started and is not model
+  state: this rank's inputs at their local size (``input_bytes``: a slice of a global batch counts
+  as the copy a device would hold), parameters outside the chunks and buffers. The chunk manager's
+  own buffers (host chunks, the all-gather's and reduce-scatter's staging and gloo's copies in them:
+  host memory beside a device) are left out (allocated in a profiler scope, ``manager.OWN_BUFFERS``). A CPU warm-up under a profiler already
+  running cannot be measured and raises.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from cauto.profiler.memory_session import memory_session
+
 from .chunk import Layout, TensorState
-from .manager import BACKWARD_PINS, GRAD, PARAM, ChunkManager
+from .manager import BACKWARD_PINS, GRAD, OWN_BUFFERS, PARAM, ChunkManager
 
 
 @dataclass(frozen=True)
@@ -68,7 +78,12 @@ class ChunkedModel(nn.Module):
         self._recompute_pins: dict[int, int] = {}
         #: a program's recomputation: id(parameter) -> pins of its chunk held until its gradient is in
         self._slot_pins: dict[int, int] = {}
-        self._saved_storages: dict[int, int] = {}
+        self._session = None  # the profiler measuring a CPU warm-up step, and what was live before it
+        self._session_base_bytes = 0
+        self._prof = None
+        self._session_end_ns: int | None = None
+        #: bytes of the inputs of the next forward at the size this rank holds them (module doc)
+        self.input_bytes = 0
         #: in a program's forward (run): slot index -> what its first fetch returned (the program's own
         #: bookkeeping, so that every use of a parameter sends its gradient through one autograd node)
         self.fetched: dict[int, object] = {}
@@ -81,6 +96,7 @@ class ChunkedModel(nn.Module):
             cast = lambda x: x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x  # noqa: E731
             args = tuple(cast(a) for a in args)
             kwargs = {k: cast(v) for k, v in kwargs.items()}
+        self.input_bytes = sum(x.numel() * x.element_size() for x in (*args, *kwargs.values()) if torch.is_tensor(x))
         return self.run(self.module, *args, **kwargs)
 
     # ---------------------------------------------------------------- programs (module_hooks=False)
@@ -92,8 +108,7 @@ class ChunkedModel(nn.Module):
             mgr.iteration_start()
             self.new_iteration = False
         mgr.begin_forward()
-        self._saved_storages.clear()
-        mgr.nonmodel_bytes = 0
+        self._start_measure()
         self.fetched = {}
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
@@ -157,15 +172,11 @@ class ChunkedModel(nn.Module):
         spec, local = (t._spec, t._local_tensor) if isinstance(t, DTensor) else (None, t)
         try:
             found = self.manager.find_param_chunk(local)
-            ptr = local.untyped_storage().data_ptr()
         except (RuntimeError, NotImplementedError):
             return t
         if found is not None:
             chunk, offset = found
             return _ParamRef(chunk.index, offset, local.shape, local.stride(), spec)
-        if self.manager.device.type == "cpu" and ptr not in self._saved_storages:
-            self._saved_storages[ptr] = local.untyped_storage().nbytes()
-            self.manager.nonmodel_bytes += self._saved_storages[ptr]
         return t
 
     def _unpack(self, saved):
@@ -197,14 +208,11 @@ class ChunkedModel(nn.Module):
         s = self._slot_of[id(param)]
         grad = param.grad
         param.grad = None
-        extra = grad.numel() * grad.element_size() if mgr.device.type == "cpu" else 0
-        mgr.nonmodel_bytes += extra
         key = (GRAD, s.chunk)
         buf = mgr.access(key)
         buf[s.offset: s.offset + s.numel].add_(grad.reshape(-1))
         mgr.mark_dirty(mgr.chunks[key])
         mgr.release(key)
-        mgr.nonmodel_bytes -= extra
         s.state = TensorState.HOLD_AFTER_BWD
         s.has_grad = True
         for _ in range(self._slot_pins.pop(id(param), 0)):
@@ -229,5 +237,50 @@ class ChunkedModel(nn.Module):
         self._slot_pins.clear()
         self.manager.end_backward()
         self._in_backward = False
-        self._saved_storages.clear()
-        self.manager.nonmodel_bytes = 0
+        if self._session is not None and self._session_end_ns is None:
+            # the profiler stops on the thread that started it (next forward or optimizer step): the
+            # measured region ends here, before what the caller runs after backward
+            self._session_end_ns = time.time_ns()
+
+    # ---------------------------------------------------------------- measuring a CPU warm-up step
+    def _start_measure(self) -> None:
+        """At a forward: end the measurement still open; start one if this is a CPU warm-up forward (module doc)."""
+        mgr = self.manager
+        self.end_measure()
+        if mgr.device.type != "cpu" or not mgr.recording:
+            return
+        if torch._C._autograd._profiler_enabled():
+            raise RuntimeError("the chunk manager measures its CPU warm-up step (the first optimizer step) with "
+                               "torch.profiler, and a profiler is already running: start yours after that step")
+        self._session_base_bytes = self.input_bytes + self._resident_nonmodel_bytes()
+        mgr.measuring = True
+        self._session = memory_session()
+        self._prof = self._session.__enter__()
+
+    def end_measure(self) -> None:
+        """Stop measuring (at the next forward, or the warm-up's end) and raise the manager's non-model
+        peak to what the measured forward and backward reached."""
+        if self._session is None:
+            return
+        from cauto.runtime.verify import allocation_peak  # not at the top: cauto.runtime imports this module
+
+        session, self._session = self._session, None
+        session.__exit__(None, None, None)
+        mgr = self.manager
+        mgr.measuring = False
+        peak = self._session_base_bytes + allocation_peak(self._prof, steady_state=True, until_ns=self._session_end_ns,
+                                                          exclude_scope=OWN_BUFFERS)
+        self._prof, self._session_end_ns = None, None
+        mgr.nonmodel_peak_bytes = max(mgr.nonmodel_peak_bytes, peak)
+
+    def _resident_nonmodel_bytes(self) -> int:
+        """Bytes of the parameters outside the chunks and the buffers, each storage once."""
+        storages: dict[int, int] = {}
+        chunked = {id(s.param) for s in self.layout.slots}
+        tensors = [p for p in self.module.parameters() if id(p) not in chunked] + list(self.module.buffers())
+        for t in tensors:
+            t = t._local_tensor if isinstance(t, DTensor) else t
+            if t.device.type != "meta":
+                st = t.untyped_storage()
+                storages[st.data_ptr()] = max(storages.get(st.data_ptr(), 0), st.nbytes())
+        return sum(storages.values())

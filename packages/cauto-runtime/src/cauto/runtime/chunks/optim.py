@@ -168,6 +168,7 @@ class ChunkedAdam:
             mgr.host_view(lp_c).copy_(p)
 
     def _end_step(self) -> None:
+        self.model.end_measure()
         self.manager.finish_warmup()
         self.model.new_iteration = True
 

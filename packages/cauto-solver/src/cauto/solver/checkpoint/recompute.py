@@ -56,6 +56,7 @@ BACKWARD_READS: dict[str, dict[int, tuple[int, ...]]] = {
     "embedding": {0: (1,)},
     "scaled_dot_product_attention": {k: (0, 1, 2, OUTPUT) for k in range(3)},
     "cross_entropy_loss": {0: (0, 1)},
+    "mse_loss": {0: (0, 1), 1: (0, 1)},
 }
 """aten op (name without namespace and overload) -> {input index: what its gradient reads}."""
 
@@ -76,6 +77,13 @@ def read_inputs(op: str, input_grads: list[bool]) -> set[int] | None:
     if rule is None:
         return None
     return {j for i, read in rule.items() if i < len(input_grads) and input_grads[i] for j in read if j != OUTPUT}
+
+
+def reads_output(op: str) -> bool:
+    """Whether the backward of ``op`` reads its own output (``BACKWARD_READS``; an op without a row is
+    taken to)."""
+    rule = _row(op)
+    return rule is None or any(OUTPUT in read for read in rule.values())
 
 
 def reads_input(op: str, n_inputs: int, k: int) -> bool:

@@ -11,7 +11,8 @@ a training step after the optimizer state exists):
   ``state + Σ_{i ≤ t} saved_i + transient_t``. A node's ``saved_bytes`` are its outputs kept for
   backward, scaled by each output's shard count (a Partial output is full size on every rank), and
   anything beyond its output bytes (internal intermediates: cross entropy's log-softmax, layer
-  norm's mean and rstd) scaled by the strategy's shard factor; ``transient_bytes`` (alive only
+  norm's mean and rstd) scaled by the strategy's shard factor, except for ops whose profile shows
+  intermediates that the runtime's op does not keep (``KEEPS_ONLY_INPUTS``: mse_loss); ``transient_bytes`` (alive only
   while it runs) by the shard factor. A parameter consumed less sharded than stored (ZeRO:
   all-gather before use) leaves the gathered copy saved for the op's backward (``gathered_bytes``;
   embeddings save only their indices and are exempt). An activation that a consumer saves
@@ -23,8 +24,9 @@ a training step after the optimizer state exists):
 * Backward: ``state + Σ saved + max_n backward_extra_n``: what the backward of node ``n`` adds on top
   of everything saved (gradients of activations and parameters it creates, less the saved tensors
   already freed). Taken from the graph's memory section: for every backward event of the unsharded
-  run, its live bytes minus what the model above holds (state + all saved), kept per node (the
-  largest), divided by that node's shard factor. One node per event, not only the unsharded peak:
+  run, its live bytes minus what the model above holds (state + all saved, as the profile held
+  them: ``KEEPS_ONLY_INPUTS``' intermediates included, since the profile's live bytes include them),
+  kept per node (the largest), divided by that node's shard factor. One node per event, not only the unsharded peak:
   a sharding changes where the backward peaks (a replicated loss head whose logits' gradients peak
   at the backward's start beats a sharded MLP whose gradients peak in the middle).
 * End of backward (gradient synchronization): ``state + Σ_params grad_computed + Σ_synced grad_stored``:
@@ -51,6 +53,7 @@ from collections.abc import Mapping
 from cauto.plan import GraphNode, split_ref
 from cauto.plan.dtypes import ITEMSIZE
 from cauto.plan.precision import bytes_as
+from cauto.solver.checkpoint.linearize import op_name
 from cauto.solver.checkpoint.recompute import read_inputs
 from cauto.solver.cost.reshard import retained_bytes
 from cauto.solver.memory.casts import entry_casts
@@ -58,6 +61,12 @@ from cauto.solver.memory.layout import activation_inputs, layout_copies, needs_g
 from cauto.solver.strategies.node import Strategy, output_placement, shard_count
 
 OPTIMIZER_BYTES_PER_ELEM = {"adam": 8, "adamw": 8, "sgd": 0, "none": 0}
+
+KEEPS_ONLY_INPUTS = frozenset({"mse_loss"})
+"""Ops whose profiled saved bytes beyond their outputs are not what the runtime keeps: the profile runs
+on meta tensors, where these ops are decomposed above autograd (``mse_loss``: sub, pow, mean; ``pow``
+keeps the difference, a whole input's size), while the runtime runs the aten op, whose backward keeps
+only its inputs (checkpoint/recompute.py ``BACKWARD_READS``), which their producers count."""
 
 
 def numel(node: GraphNode) -> int:
@@ -108,15 +117,29 @@ class MemoryModel:
             return 0
         return node.outputs[0].bytes // shard_count(strategy.outputs[0], self.mesh_shape)
 
-    def saved_bytes(self, node: GraphNode, strategy: Strategy, moved_inputs: frozenset[int] = frozenset()) -> int:
+    def handed_over_grad(self, node: GraphNode, strategy: Strategy) -> bool:
+        """Whether a parameter's gradient, once autograd has it, leaves the memory this model counts
+        (chunked state: it is added into its gradient chunk and dropped): never here."""
+        return False
+
+    def saved_bytes(self, node: GraphNode, strategy: Strategy, moved_inputs: frozenset[int] = frozenset(),
+                    as_profiled: bool = False) -> int:
         """Bytes this op keeps for backward, per device (outputs by their shards, the rest by the shard factor).
 
         Under mixed precision the compute-dtype copies of inputs the op casts on entry are counted at
         the placement the op reads each input in, except those of ``moved_inputs``: inputs that reach it
         redistributed, whose copy (moved in the compute dtype, shared by its readers) is counted where
         it is made (``saved_after_redistribution``, ``gathered_bytes``)."""
+        cast_part, outputs, rest = self.saved_parts(node, strategy, moved_inputs, as_profiled)
+        return cast_part + sum(outputs) + rest
+
+    def saved_parts(self, node: GraphNode, strategy: Strategy, moved_inputs: frozenset[int] = frozenset(),
+                    as_profiled: bool = False) -> tuple[int, list[int], int]:
+        """``saved_bytes`` in its parts, per device: the entry casts' copies, each output's kept bytes
+        (the first of the profile's saved bytes, up to the output's size), and the rest (internal
+        intermediates; none for ``KEEPS_ONLY_INPUTS`` ops unless ``as_profiled``)."""
         if node.kind != "op" or not node.saved_bytes or not self.train:
-            return 0
+            return 0, [], 0
         saved = int(node.saved_bytes * self.activation_scale)
         casts = self.saved_casts.get(node.id)
         cast_part = 0
@@ -124,15 +147,17 @@ class MemoryModel:
             saved -= sum(casts.values())
             cast_part = sum(int(b * self.activation_scale) // shard_count(strategy.inputs[k], self.mesh_shape)
                             for k, b in casts.items() if k not in moved_inputs and k < len(strategy.inputs))
-        out_part, left = cast_part, saved
+        outputs, left = [], saved
         for o, meta in enumerate(node.outputs):
             b = min(left, meta.bytes)
             if b <= 0:
                 break
             k = shard_count(strategy.outputs[o], self.mesh_shape) if o < len(strategy.outputs) else 1
-            out_part += b // k
+            outputs.append(b // k)
             left -= b
-        return out_part + left // max(1, strategy.shard_factor)
+        if op_name(node.op or "") in KEEPS_ONLY_INPUTS and not as_profiled:
+            left = 0
+        return cast_part, outputs, left // max(1, strategy.shard_factor)
 
     def transient_bytes(self, node: GraphNode, strategy: Strategy) -> int:
         """Bytes alive only while this op runs, per device."""
@@ -330,7 +355,8 @@ class MemoryModel:
         ops = [n for n in nodes if n.kind == "op" and n.id in replicated]
         params = [n for n in nodes if n.kind == "param" and not n.tied_to and n.id in replicated]
         state = sum(self.state_bytes(n, replicated[n.id]) for n in nodes if n.id in replicated)
-        saved = sum(self.saved_bytes(n, replicated[n.id]) for n in ops)
+        # as the profile held them: its timeline's live bytes include what KEEPS_ONLY_INPUTS drops
+        saved = sum(self.saved_bytes(n, replicated[n.id], as_profiled=True) for n in ops)
         grads = sum(self.grad_bytes(n, replicated[n.id]) for n in params)
         self._largest_param = max((n.outputs[0].bytes for n in params), default=0)
         known = {n.id for n in ops}

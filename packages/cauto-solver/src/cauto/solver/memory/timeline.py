@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from cauto.plan import GraphDocument, check_plan_matches_graph
 from cauto.solver.errors import SolverError
 from cauto.solver.inputs import graph_document
-from cauto.solver.memory.model import MemoryModel, numel
+from cauto.solver.memory.model import MemoryModel
 from cauto.solver.memory.walk import plan_all_to_all, predicted_peak_bytes, predicted_points
 from cauto.solver.offload.memory import chunked_memory_model
 from cauto.solver.offload.model import OffloadModel
@@ -98,10 +98,9 @@ def with_plan_chunks(plan: Mapping, nodes: list, memory: MemoryModel) -> MemoryM
     offload = plan.get("offload")
     if not offload or not any(p.get("state") == "chunked" for p in plan["params"].values()):
         return memory
-    numels = [numel(n) for n in nodes if n.kind == "param" and not n.tied_to and n.requires_grad is not False]
     axes = offload.get("mesh_axes")  # the data-parallel axes D the chunks are ZeRO-sharded over
     chunks = OffloadModel(None, int(offload["device_budget_bytes"]), int(offload["chunk_elems"]),
-                          max(numels, default=0), None if axes is None else tuple(axes))  # needs no cluster
+                          None if axes is None else tuple(axes))  # needs no cluster
     return chunked_memory_model(memory, chunks)
 
 

@@ -15,12 +15,17 @@ saved once its backward ran):
   innermost region (if any) contains ``n`` (outside regions: saved since forward; inside:
   recomputed when backward entered the region) + the held inputs of regions not yet done (a nested
   region's from its parent's recomputation on) + gradients of parameters whose consumers' backward
-  already ran (at the placement backward computes them) + gradients of activations waiting for
-  their producer's backward (created by the last consumer's backward) + with chunked state, the
-  parameter chunks the recomputation of the top-level region holding ``n`` fetched again (held until
-  the region's backward is done: an upper bound, the runtime unpins each as its gradient arrives)
-  + what ``n``'s backward
-  allocates: gradients of its outputs and inputs, and its transient bytes. Activation gradients are
+  already ran (at the placement backward computes them; a parameter whose gradient the runtime
+  hands over, chunked state, only from its last consumer's backward to its first's) + gradients
+  of activations waiting for their producer's backward (created by the last consumer's backward) +
+  with chunked state, the parameter chunks the recomputation of the top-level region holding ``n``
+  fetched again (held until the region's backward is done: an upper bound, the runtime unpins each
+  as its gradient arrives) + what ``n``'s backward allocates: gradients of its outputs and inputs,
+  and its transient bytes.
+  Outside regions an output kept only for its consumers (its producer's backward does not read it:
+  checkpoint/recompute.py ``reads_output``) is freed by the backward of the first of them in forward
+  order that saves it, directly or through views, not by its producer's (``_freed_by_backward``):
+  autograd frees a value once every node that saved it ran its backward. Activation gradients are
   counted for real floating values only (``cauto.plan.dtypes.is_floating``); a complex activation's
   gradient, which the ILP's ``tensor_requires_grad`` (``has_gradient``) does count, is not.
 * After ``n``'s backward, for an input it took through a redistribution: the redistribution's
@@ -32,7 +37,8 @@ saved once its backward ran):
 * Then the gradient synchronization and optimizer step, exactly as model.py predicts them.
 
 For a plan without regions each op's backward point is also at least the calibrated model's for it
-(everything saved + the op's calibrated backward extra), so the prediction is the larger of the two models; the ILP's own memory rows
+(everything saved + the op's calibrated backward extra, which the calibration took against the saved
+bytes as the profile held them: model.py ``KEEPS_ONLY_INPUTS``), so the prediction is the larger of the two models; the ILP's own memory rows
 stay the linear model, and ``solve`` re-solves with a lowered limit where the prediction lands over
 the budget. One judge for every plan keeps ``checkpoint=auto`` honest: a plain and a checkpointed
 plan are measured by the same walk.
@@ -45,7 +51,8 @@ from dataclasses import dataclass
 from cauto.plan import split_ref
 from cauto.plan.dtypes import is_floating
 from cauto.plan.precision import bytes_as
-from cauto.solver.checkpoint.recompute import reads_input
+from cauto.solver.checkpoint.linearize import VIEW_OPS, op_name
+from cauto.solver.checkpoint.recompute import read_inputs, reads_input, reads_output
 from cauto.solver.cost.reshard import backward_target, gather_staging_copies, retained_bytes, staging_copies
 from cauto.solver.memory.layout import needs_gradient
 from cauto.solver.memory.model import (
@@ -71,7 +78,8 @@ def predicted_points(memory: MemoryModel, nodes: list, chosen: dict[str, Strateg
     points = _forward_points(walk, nesting, saved, state)
     if not memory.train or not ops:
         return points
-    points += _backward_points(walk, nesting, saved, state, _copies_freed_by(walk, moved))
+    freed = _freed_by_backward(walk, nesting, saved, moved)
+    points += _backward_points(walk, nesting, saved, freed, state, _copies_freed_by(walk, moved))
     computed, stored_all, synced = memory.gradient_bytes(nodes, chosen, walk.by_id)
     points.append(("grad_sync", None, state + computed + synced))
     points.append(("optimizer", None, state + stored_all + memory.optimizer_extra_bytes(nodes, chosen)))
@@ -140,6 +148,56 @@ def _saved_bytes(walk: _Walk, moved: dict, direct: set) -> dict[str, int]:
                                         memory.mesh_shape, memory.all_to_all)
         saved[n.id] = b
     return saved
+
+
+def _freed_by_backward(walk: _Walk, nesting: _Nesting, saved: dict[str, int], moved: dict) -> dict[str, int]:
+    """op id -> the saved bytes that its backward frees (outside regions; module doc: Backward): its own,
+    less each output that only its consumers keep, plus such outputs of which it is the first keeper
+    in forward order (autograd frees a value when every node that saved it has run its backward; the
+    producer's own backward reads it only when ``reads_output``). A keeper is a consumer that saves the
+    value (``saves_input``; an op without a ``BACKWARD_READS`` row is taken to), directly or through
+    views of it (view ops; ``broadcast_tensors``' outputs view its inputs). Outputs taken through a
+    redistribution, ops in regions and their keepers keep the producer's rule."""
+    memory, chosen, by_id, order = walk.memory, walk.chosen, walk.by_id, walk.order
+    freed = dict(saved)
+    consumers: dict[str, list[tuple[object, int]]] = {}
+    grads: dict[str, bool] = {}
+    for n in by_id.values():
+        grads[n.id] = needs_gradient(n, grads)
+        for k, ref in enumerate(n.inputs if n.kind == "op" else ()):
+            src_id, o = split_ref(ref)
+            consumers.setdefault(f"{src_id}#{o}", []).append((n, k))
+
+    def keepers(ref: str, depth: int = 0) -> set[str] | None:
+        out: set[str] = set()
+        for c, k in consumers.get(ref, []):
+            if c.id not in order or depth > 32:
+                return None
+            name = op_name(c.op or "")
+            if name in VIEW_OPS or name == "broadcast_tensors":
+                views = [k] if name == "broadcast_tensors" else (range(len(c.outputs)) if k == 0 else [])
+                for v in views:
+                    inner = keepers(f"{c.id}#{v}", depth + 1)
+                    if inner is None:
+                        return None
+                    out |= inner
+            elif saves_input(c, k, grads) or read_inputs(c.op or "", []) is None:
+                out.add(c.id)
+        return out
+
+    for p in walk.ops:
+        if p.id in nesting.innermost or reads_output(p.op or ""):
+            continue
+        _, outputs, _ = memory.saved_parts(p, chosen[p.id])
+        for o, b in enumerate(outputs):
+            ref = f"{p.id}#{o}"
+            held = keepers(ref)
+            if not b or ref in moved or not held or any(h in nesting.innermost for h in held):
+                continue
+            first = min(held, key=order.__getitem__)
+            freed[p.id] -= b
+            freed[first] += b
+    return freed
 
 
 def _copies_freed_by(walk: _Walk, moved: dict) -> dict[str, int]:
@@ -211,12 +269,15 @@ def _forward_points(walk: _Walk, nesting: _Nesting, saved: dict[str, int],
     return points
 
 
-def _param_grads_from(walk: _Walk) -> dict[int, int]:
+def _param_grads_from(walk: _Walk) -> tuple[dict[int, int], list[int]]:
     """op position -> bytes of the parameter gradients its backward creates: each parameter's gradient
     is created by the backward of its last consumer in forward order, at the placement backward
-    computes it (its first consumer's)."""
+    computes it (its first consumer's). And per op position, bytes of the gradients live at its
+    backward that the runtime hands over once autograd has them (``MemoryModel.handed_over_grad``:
+    from its last consumer's backward to its first's)."""
     chosen, by_id = walk.chosen, walk.by_id
     grad_at: dict[str, int] = {}
+    first_use: dict[str, int] = {}
     grad_pl: dict[str, tuple] = {}
     for n in walk.ops:
         s = chosen[n.id]
@@ -225,24 +286,35 @@ def _param_grads_from(walk: _Walk) -> dict[int, int]:
             if src is not None and src.kind == "param" and k < len(s.input_grads):
                 owner = src.tied_to or src.id
                 grad_pl.setdefault(owner, s.input_grads[k])
+                first_use.setdefault(owner, walk.order[n.id])
                 grad_at[owner] = walk.order[n.id]
     grads_from: dict[int, int] = {}
+    handed_over = [0] * (len(walk.ops) + 1)
     for owner, t in grad_at.items():
         param = by_id[owner]
         if walk.memory.grad_bytes(param, chosen[owner]):
             grads_from[t] = grads_from.get(t, 0) + walk.dev_bytes(param, 0, grad_pl[owner])
-    return grads_from
+        elif walk.memory.handed_over_grad(param, chosen[owner]):
+            b = walk.dev_bytes(param, 0, grad_pl[owner])
+            handed_over[first_use[owner]] += b
+            handed_over[t + 1] -= b
+    for t in range(1, len(walk.ops)):
+        handed_over[t] += handed_over[t - 1]
+    return grads_from, handed_over
 
 
-def _saved_prefix_sums(walk: _Walk, nesting: _Nesting, saved: dict[str, int]) -> dict[int | None, list[int]]:
-    """Saved bytes of the ops up to each position, outside every region (key None) and per innermost
-    region."""
+def _saved_prefix_sums(walk: _Walk, nesting: _Nesting, saved: dict[str, int],
+                       freed: dict[str, int]) -> dict[int | None, list[int]]:
+    """Saved bytes still live at each position's backward: outside every region (key None; what the
+    backward of each op up to there frees, ``_freed_by_backward``) and per innermost region (what
+    each op up to there saved)."""
     ops = walk.ops
     saved_upto: dict[int | None, list[int]] = {None: [0] * len(ops),
                                                **{i: [0] * len(ops) for i in range(len(nesting.members))}}
     for t, n in enumerate(ops):
         for key, sums in saved_upto.items():
-            sums[t] = (sums[t - 1] if t else 0) + (saved[n.id] if nesting.innermost.get(n.id) == key else 0)
+            here = nesting.innermost.get(n.id) == key
+            sums[t] = (sums[t - 1] if t else 0) + ((freed if key is None else saved)[n.id] if here else 0)
     return saved_upto
 
 
@@ -271,14 +343,14 @@ def _waiting_grads(walk: _Walk) -> list[int]:
     return pending
 
 
-def _backward_points(walk: _Walk, nesting: _Nesting, saved: dict[str, int], state: int,
+def _backward_points(walk: _Walk, nesting: _Nesting, saved: dict[str, int], freed: dict[str, int], state: int,
                      copy_freed_by: dict[str, int]) -> list[tuple[str, str | None, int]]:
     """One point per op in reverse order, and a second after its backward where an input came
     through a redistribution (module doc: Backward, and the redistribution's backward)."""
     memory, chosen, by_id, ops = walk.memory, walk.chosen, walk.by_id, walk.ops
     members, parent, span, held = nesting.members, nesting.parent, nesting.span, nesting.held
-    grads_from = _param_grads_from(walk)
-    saved_upto = _saved_prefix_sums(walk, nesting, saved)
+    grads_from, handed_over = _param_grads_from(walk)
+    saved_upto = _saved_prefix_sums(walk, nesting, saved, freed)
     pending = _waiting_grads(walk)
     pinned = {i: memory.recompute_pinned_bytes(by_id, chosen, members[i]) for i in nesting.top}
     points: list[tuple[str, str | None, int]] = []
@@ -309,12 +381,12 @@ def _backward_points(walk: _Walk, nesting: _Nesting, saved: dict[str, int], stat
         grads += pending[t]
         scratch = max(memory.transient_bytes(n, s), memory.backward_workspace_bytes(n),
                       _regathered_bytes(walk, nesting, n))
-        here = state + live + grads + out_grads + in_grads + scratch
+        here = state + live + grads + handed_over[t] + out_grads + in_grads + scratch
         if not members:  # at least what the calibrated model says (model.py: all saved + n's backward extra)
             here = max(here, state + saved_upto[None][-1] + memory.backward_extra_beside_workspace(n, s))
         points.append(("backward", n.id, here))
         if staged:  # after n's backward freed its saved tensors and its outputs' gradients
-            points.append(("backward", n.id, state + live - saved[n.id] - copy_freed_by.get(n.id, 0) + grads + in_grads
+            points.append(("backward", n.id, state + live - freed[n.id] - copy_freed_by.get(n.id, 0) + grads + in_grads
                            + staged))
         grads -= pending[t]
     return points

@@ -22,6 +22,10 @@ class ChunkedMemoryModel(MemoryModel):
     def grad_bytes(self, node: GraphNode, strategy: Strategy) -> int:
         return 0 if self.offload.chunks(node, strategy) else super().grad_bytes(node, strategy)
 
+    def handed_over_grad(self, node: GraphNode, strategy: Strategy) -> bool:
+        # the runtime's gradient hook adds a chunked parameter's gradient into its chunk and drops it
+        return self.offload.chunks(node, strategy) and super().grad_bytes(node, strategy) > 0
+
     def breakdown(self, nodes: list[GraphNode], chosen: dict[str, Strategy],
                   exact: bool = True) -> tuple[int, int, int, int, str]:
         peak, state, rest, t, phase = super().breakdown(nodes, chosen, exact)

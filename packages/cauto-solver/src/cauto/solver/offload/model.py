@@ -38,10 +38,12 @@ Device memory per device (the documented model; ``ChunkedMemoryModel``, memory.p
   (the solver's memory/model.py): not in the always-live state, not at the end of backward, not in the optimizer step.
 * Instead the *working set*, the chunk bytes the device must hold at once, is always live:
   2 parameter chunks (the backward's pinned ring; in forward a module's own parameters) + 1 fp32
-  gradient chunk (the one being accumulated) + the largest chunked gradient as autograd hands it
-  to the chunk: ``chunk_elems · (2·4 + 4) + 4 · largest numel`` (the full numel: an upper bound of
-  any local shard). The runtime's warm-up check (chunks pinned at once) measured 2 parameter
-  chunks on the MLP and GPT of the integration test.
+  gradient chunk (the one being accumulated): ``chunk_elems · (2·4 + 4)``. The runtime's warm-up
+  check (chunks pinned at once) measured 2 parameter chunks on the MLP and GPT of the integration
+  test.
+* A chunked parameter's gradient as autograd computes it is non-model memory: the runtime's hook
+  adds it into its gradient chunk and drops it, so it lives from its last consumer's backward to its
+  first's (memory/walk.py, ``MemoryModel.handed_over_grad``), not all step.
 
 So ``peak = non-model + working set ≤ budget``. The runtime gets the whole budget
 (``offload.device_budget_bytes``) and sizes its chunk arena as the budget minus the non-model peak
@@ -139,7 +141,6 @@ class OffloadModel:
     cluster: ClusterSpec | None
     budget_bytes: int
     chunk_elems: int
-    largest_param_elems: int
     mesh_axes: tuple[int, ...] | None = None
 
     def __post_init__(self):
@@ -157,7 +158,7 @@ class OffloadModel:
         group_size = math.prod(cluster.mesh_shape[a] for a in axes)
         # the runtime's own default (chunk_module's search, one parameter group, fp32)
         chunk_elems = default_chunk_elems([numels], group_size, budget_bytes, PARAM_ITEMSIZE + GRAD_ITEMSIZE)
-        return cls(cluster, int(budget_bytes), chunk_elems, max(numels, default=0), axes)
+        return cls(cluster, int(budget_bytes), chunk_elems, axes)
 
     @property
     def pure(self) -> bool:
@@ -180,8 +181,7 @@ class OffloadModel:
     @property
     def working_set_bytes(self) -> int:
         """Chunk bytes the device must hold at once (module docstring)."""
-        return (self.chunk_elems * (WORKING_SET_PARAM_CHUNKS * PARAM_ITEMSIZE + WORKING_SET_GRAD_CHUNKS * GRAD_ITEMSIZE)
-                + GRAD_ITEMSIZE * self.largest_param_elems)
+        return self.chunk_elems * (WORKING_SET_PARAM_CHUNKS * PARAM_ITEMSIZE + WORKING_SET_GRAD_CHUNKS * GRAD_ITEMSIZE)
 
     def param_transfer_s(self, node: GraphNode, strategy: Strategy) -> float:
         """The ILP's price of chunking one parameter stored with ``strategy``: the traffic of its local
