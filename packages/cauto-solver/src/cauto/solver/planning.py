@@ -68,7 +68,7 @@ from cauto.solver.joint import (
     joint_plan,
     sharding_result_from_plan,
 )
-from cauto.solver.memory.timeline import device_peak_judge
+from cauto.solver.memory.timeline import device_peak_judge, device_timeline
 from cauto.solver.offload.model import OffloadModel
 from cauto.solver.offload.section import offload_at_peak
 from cauto.solver.progress import CHECKPOINT_PHASE, ProgressFn, counted, joint_solves_at_most
@@ -327,7 +327,8 @@ def _chunked_joint_plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, op
                         choice=result.best.checkpoint, device_peak_bytes=result.best.peak_bytes)
     peak = int(best.predictions["peak_bytes"])
     model = OffloadModel.for_graph(graph_document(graph_doc), cluster, budget, tuple(sharding["offload"]["mesh_axes"]))
-    offload, offload_s = offload_at_peak(model, sharding["offload"], peak)
+    pinned = device_timeline({**sharding, "checkpoint": best.checkpoint}, graph_doc).pinned_bytes
+    offload, offload_s = offload_at_peak(model, sharding["offload"], peak, pinned)
     times = dict(best.predictions["step_time_s"])
     times["total"] += offload_s - times.get("offload", 0.0)
     times["offload"] = offload_s

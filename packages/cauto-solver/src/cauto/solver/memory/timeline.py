@@ -23,7 +23,12 @@ from cauto.plan import GraphDocument, check_plan_matches_graph
 from cauto.solver.errors import SolverError
 from cauto.solver.inputs import graph_document
 from cauto.solver.memory.model import MemoryModel
-from cauto.solver.memory.walk import plan_all_to_all, predicted_peak_bytes, predicted_points
+from cauto.solver.memory.walk import (
+    plan_all_to_all,
+    predicted_peak_bytes,
+    predicted_points,
+    recompute_pinned_bytes,
+)
 from cauto.solver.offload.memory import chunked_memory_model
 from cauto.solver.offload.model import OffloadModel
 from cauto.solver.strategies.groups import enumerate_strategies
@@ -42,6 +47,9 @@ class DeviceTimeline:
     """Always-live bytes per device: parameter shards, optimizer state, inputs, buffers."""
     checkpointed: bool = False
     """The plan recomputes checkpoint regions (the walk follows them)."""
+    pinned_bytes: int = 0
+    """With chunked state and regions: the parameter chunks recomputation pins, reserved beside the
+    working set (walk.py; part of ``state_bytes``)."""
 
     @property
     def peak_bytes(self) -> int:
@@ -106,7 +114,8 @@ def with_plan_chunks(plan: Mapping, nodes: list, memory: MemoryModel) -> MemoryM
 
 def _walk(memory: MemoryModel, nodes: list, chosen: dict[str, Strategy], regions: list) -> DeviceTimeline:
     points = predicted_points(memory, nodes, chosen, regions)
-    return DeviceTimeline(points, memory.predict(nodes, chosen)[1], bool(regions))
+    pinned = recompute_pinned_bytes(memory, nodes, chosen, regions)
+    return DeviceTimeline(points, memory.predict(nodes, chosen)[1] + pinned, bool(regions), pinned)
 
 
 def device_peak_judge(graph_doc: dict):

@@ -6,6 +6,10 @@ it; what only a full assignment shows is counted by this walk, which follows the
 execution (non-reentrant ``torch.utils.checkpoint``, early stop off, autograd freeing what a node
 saved once its backward ran):
 
+* State: model.py's always-live bytes (with chunked state, the chunk working set) and, with chunked
+  state and regions, the parameter chunks the largest top-level region's recomputation fetches again
+  and keeps pinned until their gradients are in (offload/memory.py ``recompute_pinned_bytes``): the
+  runtime's arena must hold them beside the working set, so they are reserved for the whole step.
 * Forward: a node outside every region keeps its saved bytes (model.py's terms: outputs kept for
   backward, the copy a consumer saves of an activation it took through a redistribution, the copy
   a reshape makes where a redistribution changed its input's layout, parameters gathered for use);
@@ -18,10 +22,7 @@ saved once its backward ran):
   already ran (at the placement backward computes them; a parameter whose gradient the runtime
   hands over, chunked state, only from its last consumer's backward to its first's) + gradients
   of activations waiting for their producer's backward (created by the last consumer's backward) +
-  with chunked state, the parameter chunks the recomputation of the top-level region holding ``n``
-  fetched again (held until the region's backward is done: an upper bound, the runtime unpins each
-  as its gradient arrives) + what ``n``'s backward allocates: gradients of its outputs and inputs,
-  and its transient bytes.
+  what ``n``'s backward allocates: gradients of its outputs and inputs, and its transient bytes.
   Outside regions an output kept only for its consumers (its producer's backward does not read it:
   checkpoint/recompute.py ``reads_output``) is freed by the backward of the first of them in forward
   order that saves it, directly or through views, not by its producer's (``_freed_by_backward``):
@@ -71,10 +72,10 @@ def predicted_points(memory: MemoryModel, nodes: list, chosen: dict[str, Strateg
     check point (module doc): (phase, node id or None, live bytes per device)."""
     ops = [n for n in nodes if n.kind == "op" and n.id in chosen]
     walk = _Walk(memory, chosen, {n.id: n for n in nodes}, ops, {n.id: i for i, n in enumerate(ops)})
-    state = memory.predict(nodes, chosen)[1]
     moved, direct = redistributed_saves(nodes, chosen, memory.moved_dtypes)
     saved = _saved_bytes(walk, moved, direct)
     nesting = _nesting(walk, regions, saved)
+    state = memory.predict(nodes, chosen)[1] + _pinned_by_recompute(walk, nesting)
     points = _forward_points(walk, nesting, saved, state)
     if not memory.train or not ops:
         return points
@@ -84,6 +85,22 @@ def predicted_points(memory: MemoryModel, nodes: list, chosen: dict[str, Strateg
     points.append(("grad_sync", None, state + computed + synced))
     points.append(("optimizer", None, state + stored_all + memory.optimizer_extra_bytes(nodes, chosen)))
     return points
+
+
+def _pinned_by_recompute(walk: _Walk, nesting: _Nesting) -> int:
+    """With chunked state: the most parameter-chunk bytes one top-level region's recomputation fetches
+    again and pins (``recompute_pinned_bytes``), reserved beside the chunk working set for the whole step
+    (module doc); 0 without chunks or regions."""
+    return max((walk.memory.recompute_pinned_bytes(walk.by_id, walk.chosen, nesting.members[i]) for i in nesting.top),
+               default=0)
+
+
+def recompute_pinned_bytes(memory: MemoryModel, nodes: list, chosen: dict[str, Strategy],
+                           regions: list[dict] | tuple) -> int:
+    """``_pinned_by_recompute`` of a plan's strategies and regions: what its chunk working set gains."""
+    ops = [n for n in nodes if n.kind == "op" and n.id in chosen]
+    walk = _Walk(memory, chosen, {n.id: n for n in nodes}, ops, {n.id: i for i, n in enumerate(ops)})
+    return _pinned_by_recompute(walk, _nesting(walk, regions, dict.fromkeys(walk.order, 0)))
 
 
 @dataclass(frozen=True)
@@ -352,7 +369,6 @@ def _backward_points(walk: _Walk, nesting: _Nesting, saved: dict[str, int], free
     grads_from, handed_over = _param_grads_from(walk)
     saved_upto = _saved_prefix_sums(walk, nesting, saved, freed)
     pending = _waiting_grads(walk)
-    pinned = {i: memory.recompute_pinned_bytes(by_id, chosen, members[i]) for i in nesting.top}
     points: list[tuple[str, str | None, int]] = []
     grads = 0
     for t in range(len(ops) - 1, -1, -1):
@@ -362,7 +378,6 @@ def _backward_points(walk: _Walk, nesting: _Nesting, saved: dict[str, int], free
         live = saved_upto[None][t] + sum(saved_upto[i][t] for i, m in enumerate(members) if n.id in m)
         live += sum(held[i] for i in range(len(members))
                     if span[i][0] <= t and (parent[i] is None or n.id in members[parent[i]]))
-        live += sum(pinned[i] for i in nesting.top if n.id in members[i])
         grads += grads_from.get(t, 0)
         out_grads = sum(walk.dev_bytes(n, o, s.outputs[o]) for o in range(min(len(n.outputs), len(s.outputs)))
                         if is_floating(n.outputs[o].dtype))

@@ -71,13 +71,15 @@ def offload_section(model: OffloadModel, sharding: dict, graph: GraphDocument,
         predictions={**pred, "step_time_s": step_time_s, "collectives": collectives})
 
 
-def offload_at_peak(model: OffloadModel, offload: dict, peak_bytes: int) -> tuple[dict, float]:
+def offload_at_peak(model: OffloadModel, offload: dict, peak_bytes: int, pinned_bytes: int = 0) -> tuple[dict, float]:
     """The ``offload`` section of a plan whose predicted peak is ``peak_bytes`` (a checkpointed plan's,
-    lower than its sharding's): the arena the runtime will size (budget minus the non-model peak) and the
-    traffic with it; and that traffic's seconds (``step_time_s.offload``)."""
-    arena = model.budget_bytes - (int(peak_bytes) - model.working_set_bytes)
-    moved = model.traffic_bytes(int(offload["num_chunks"]), arena)
-    section = {**offload, "arena_bytes": int(arena), "moved_bytes": int(moved)}
+    lower than its sharding's) and whose regions' recomputation pins ``pinned_bytes`` of parameter
+    chunks (memory/walk.py, part of the working set then): the arena the runtime will size (budget
+    minus the non-model peak) and the traffic with it; and that traffic's seconds (``step_time_s.offload``)."""
+    working_set = model.working_set_bytes + int(pinned_bytes)
+    arena = model.budget_bytes - (int(peak_bytes) - working_set)
+    moved = model.traffic_bytes(int(offload["num_chunks"]), arena - int(pinned_bytes))  # pins hold arena too
+    section = {**offload, "working_set_bytes": working_set, "arena_bytes": int(arena), "moved_bytes": int(moved)}
     section["simulated_device_budget_bytes"] = simulated_device_budget_bytes(section, int(peak_bytes))
     return section, moved / model.host_link_bandwidth_bytes_per_s
 
