@@ -176,6 +176,11 @@ def test_chunks_over_one_axis_leave_the_other_to_tensor_parallelism(mesh22, half
     assert off["mesh_axes"] == [0] and pred["peak_bytes"] <= half_on_device
     params = [n for n in GRAPH["nodes"] if n["kind"] == "param"]
     trainable = [n for n in params if not n.get("tied_to") and n.get("requires_grad") is not False]
+    # packed as the runtime packs them: the model's registration order, a tied pair at its first name
+    first: dict[str, int] = {}
+    for i, n in enumerate(params):
+        first.setdefault(n.get("tied_to") or n["id"], i)
+    trainable.sort(key=lambda n: first[n["id"]])
     # every trainable untied parameter is chunked, Replicate on the data-parallel axis; some are split on axis 1
     assert all(p["params"][n["id"]]["state"] == "chunked" for n in trainable)
     assert all(e["placements"][0] == "R" for e in p["params"].values() if e["state"] == "chunked")

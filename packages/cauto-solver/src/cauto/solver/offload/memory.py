@@ -7,7 +7,7 @@ from __future__ import annotations
 from cauto.plan import GraphNode, split_ref
 from cauto.plan.chunking import chunk_indices
 from cauto.solver.memory.model import MemoryModel
-from cauto.solver.offload.model import PARAM_ITEMSIZE, OffloadModel, local_numel
+from cauto.solver.offload.model import PARAM_ITEMSIZE, OffloadModel, local_numel, registration_order
 from cauto.solver.strategies.node import Strategy
 
 
@@ -37,9 +37,10 @@ class ChunkedMemoryModel(MemoryModel):
     def recompute_pinned_bytes(self, by_id: dict, chosen: dict[str, Strategy], region: set[str]) -> int:
         """Bytes of the parameter chunks a region's recomputation fetches again and keeps pinned until their
         parameters' gradients are in (the runtime's chunks/model.py): every chunk holding a chunked
-        parameter an op of ``region`` reads, packed as the runtime packs them (graph order, local shards)."""
+        parameter an op of ``region`` reads, packed as the runtime packs them (``registration_order``, local shards)."""
         mesh = tuple(self.mesh_shape)
-        params = [n for n in by_id.values() if n.kind == "param" and n.id in chosen and self.offload.chunks(n, chosen[n.id])]
+        params = [n for n in registration_order(list(by_id.values()))
+                  if n.id in chosen and self.offload.chunks(n, chosen[n.id])]
         (indices,) = chunk_indices([[local_numel(n, chosen[n.id].outputs[0], mesh) for n in params]],
                                    self.offload.chunk_elems)
         chunk_of = {n.id: i for n, i in zip(params, indices)}

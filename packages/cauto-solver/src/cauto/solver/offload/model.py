@@ -118,6 +118,19 @@ def is_chunked(node: GraphNode, strategy: Strategy, mesh_axes: tuple[int, ...] |
             and all(placements[a] == "R" for a in axes))
 
 
+def registration_order(nodes: list[GraphNode]) -> list[GraphNode]:
+    """The parameters among ``nodes`` (untied owners) in the order the runtime's chunk layout packs
+    them: the model's registration order, where a tied parameter sits at its first name (the graph
+    lists parameters in that order, but names a tied pair's owner at the alias it keeps, which may
+    come later: the zoo GPT's token embedding is tied to its head)."""
+    params = [n for n in nodes if n.kind == "param"]
+    first: dict[str, int] = {}
+    for i, n in enumerate(params):
+        first.setdefault(n.tied_to or n.id, i)
+    owners = [n for n in params if not n.tied_to]
+    return sorted(owners, key=lambda n: first[n.id])
+
+
 def local_numel(node: GraphNode, placements: Placements, mesh_shape: tuple[int, ...]) -> int:
     """Elements of one device's shard of a placeholder placed ``placements`` (a dim split on an axis of
     n devices becomes ceil(dim / n), once per such axis)."""
@@ -154,7 +167,7 @@ class OffloadModel:
         """The model for ``graph`` on ``cluster`` under a per-device budget, chunks ZeRO-sharded over
         ``mesh_axes`` (default: every axis)."""
         axes = data_parallel_axes(tuple(cluster.mesh_shape), mesh_axes, error=SolverError)
-        numels = [numel(n) for n in graph.nodes if n.kind == "param" and not n.tied_to and n.requires_grad is not False]
+        numels = [numel(n) for n in registration_order(graph.nodes) if n.requires_grad is not False]
         group_size = math.prod(cluster.mesh_shape[a] for a in axes)
         # the runtime's own default (chunk_module's search, one parameter group, fp32)
         chunk_elems = default_chunk_elems([numels], group_size, budget_bytes, PARAM_ITEMSIZE + GRAD_ITEMSIZE)
@@ -190,8 +203,8 @@ class OffloadModel:
         return (2 * PARAM_ITEMSIZE * elems + GRAD_ITEMSIZE * elems / self.group_size) / self.host_link_bandwidth_bytes_per_s
 
     def num_chunks(self, chunked: list[GraphNode], chosen: dict[str, Strategy]) -> int:
-        """Chunks of the local shards of the ``chunked`` parameters (in graph order) as ``chosen`` places
-        them, padded to a multiple of the group size (module docstring)."""
+        """Chunks of the local shards of the ``chunked`` parameters (in ``registration_order``) as ``chosen``
+        places them, padded to a multiple of the group size (module docstring)."""
         mesh = tuple(self.cluster.mesh_shape)
         numels = [local_numel(n, chosen[n.id].outputs[0], mesh) for n in chunked]
         return count_chunks([numels], self.chunk_elems, self.group_size)

@@ -10,7 +10,7 @@ from cauto.plan import GraphDocument
 from cauto.plan.execution import execution_section, simulated_device_budget_bytes
 from cauto.solver.cost.reshard import collective_cost_s
 from cauto.solver.document import OffloadSection
-from cauto.solver.offload.model import GRAD_ITEMSIZE, PARAM_ITEMSIZE, OffloadModel
+from cauto.solver.offload.model import GRAD_ITEMSIZE, PARAM_ITEMSIZE, OffloadModel, registration_order
 from cauto.solver.strategies.node import Strategy
 
 
@@ -20,7 +20,7 @@ def offload_section(model: OffloadModel, sharding: dict, graph: GraphDocument,
     model's predictions) for the strategies ``chosen``; None when no parameter is chunked. ``program``:
     the runtime runs it as a program even where the model as written could (checkpoint regions)."""
     params = [n for n in graph.nodes if n.kind == "param"]
-    chunked = [n for n in params if model.chunks(n, chosen[n.id])]
+    chunked = [n for n in registration_order(graph.nodes) if model.chunks(n, chosen[n.id])]
     if not chunked:
         return None
     ids = {n.id for n in chunked}
