@@ -1,8 +1,8 @@
 """Sharding, checkpointing and chunked state in one plan, over a budget sweep, on 4 gloo ranks (issue 22).
 
 For each model and per-device budget the solver plans with every lever (``offload="auto",
-checkpoint="auto"``: device-only plans, chunked plans and three-way plans compete on predicted step
-time) and with each lever switched off:
+checkpoint="auto"``: sharding and checkpointing on the device where that fits, else chunked plans,
+the three-lever plan among them) and with each lever switched off:
 
 * no chunks: ``checkpoint="auto"`` (sharding and checkpointing);
 * no checkpointing: ``offload="chunked"`` (sharding and chunked state);
@@ -213,9 +213,16 @@ def main() -> None:
             lines += sweep(name, args.fractions, args.steps, Path(tmp))
     head = (f"4 gloo ranks, one thread each; budgets: fractions {args.fractions} of the unconstrained "
             "device-only plan's peak, 5% below the least budget of both two-lever plans (sharding with "
-            "checkpointing, sharding with chunks), and the least the all-lever plan needs. Step time: median of steps 2-{args.steps}. Parity: each step's loss "
-            "against the same model trained in one process from the same seed.")
-    body = f"Command: `python tools/bench/bench_three_way.py --write`\n\n{head}\n\n" + "\n".join(lines)
+            f"checkpointing, sharding with chunks), and the least the all-lever plan needs. Step time: median of "
+            f"steps 2-{args.steps}. Peak: chunked plans' non-model peak (torch.profiler's live bytes, the chunk "
+            "manager's own buffers left out) plus the plan's chunk working set. Parity: each step's loss against "
+            "the same model trained in one process from the same seed.")
+    tail = ("Chunked plans run on the DTensor interpreter (no local-tensor lowering with chunk fetches yet): "
+            "their measured CPU step is several times their prediction, so the solver's predicted speed "
+            "order between a chunked and a device-only plan is not what runs, and `offload=\"auto\"` uses "
+            "chunks only where no device-only plan fits. With checkpoint regions, which that interpreter "
+            "recomputes whole, the walk over-predicts the peak.")
+    body = f"Command: `python tools/bench/bench_three_way.py --write`\n\n{head}\n\n" + "\n".join(lines) + f"\n\n{tail}"
     print(body)
     if args.write:
         sys.path.insert(0, str(Path(__file__).parent))

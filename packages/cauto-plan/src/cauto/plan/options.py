@@ -38,8 +38,8 @@ class PlanOptions:
     """Activation checkpointing: "none" (every activation stored), or solved jointly with the sharding:
     "auto" (rotor or Chen, whichever is faster, or none), "rotor", "chen"."""
     offload: Offload = "none"
-    """Model state in chunks moved between device and host: "none"; "auto" (without checkpointing only
-    where no device-only plan fits; with it, wherever a chunked plan is predicted faster); "chunked" (always). With ``checkpoint`` other than "none" the chunked plans are searched
+    """Model state in chunks moved between device and host: "none"; "auto" (only where no device-only
+    plan fits); "chunked" (always). With ``checkpoint`` other than "none" the chunked plans are searched
     jointly with checkpoint regions too: all three levers in one plan (cauto.solver.planning)."""
     offload_axes: tuple[int, ...] | None = None
     """The mesh axes chunked state is ZeRO-sharded over, the others left to tensor parallelism; None:

@@ -15,10 +15,12 @@ Infeasible budgets raise InfeasibleBudgetError naming the least memory any split
 
 ``offload`` hands data-parallel model state to the runtime's chunk manager (offload/):
 * "none" (default): every parameter's state stays on the device.
-* "auto": with ``checkpoint`` "none", only when no device-only plan fits: then the chunked plan
-  below; with checkpointing, the device-only plan (sharding and checkpointing) and the chunked plans
-  below (sharding and chunks; all three levers) all compete, the least predicted step time winning
-  (ties: device-only). Still infeasible raises the error of whichever of the two needs less memory.
+* "auto": only when no device-only plan (with the ``checkpoint`` method asked for) fits: then the
+  chunked plans below (with checkpointing, all three levers among them); still infeasible raises the
+  error of whichever of the two needs less memory. Chunked plans do not compete with a device-only
+  plan that fits: their predicted step is far below what they measure (on 4 gloo ranks 3-5x: they
+  run on the DTensor interpreter, tools/bench/RESULTS.md "Three levers in one plan"), and a plan
+  that fits on the device moves nothing over the host link.
 * "chunked": always the ILP with chunked state; with ``checkpoint`` other than "none" also all three
   levers at once (``_chunked_joint_plan``): joint.py's search over shardings with chunked state, each
   sharding's checkpoint regions judged by the walk of the chunked memory model, which counts the
@@ -119,19 +121,12 @@ def _plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options: PlanOpt
         if options.offload == "chunked":
             return _chunked_plan(graph, cluster, options, progress)
         try:
-            device_only = _plan(graph, cluster, replace(options, offload="none", offload_axes=None), progress)
+            return _plan(graph, cluster, replace(options, offload="none", offload_axes=None), progress)
         except InfeasibleBudgetError as on_device:
             try:
                 return _chunked_plan(graph, cluster, options, progress)
             except InfeasibleBudgetError as with_chunks:
                 raise min(on_device, with_chunks, key=lambda e: e.needed_bytes or float("inf")) from None
-        if options.checkpoint == "none":
-            return device_only
-        try:  # all three levers: the chunked plans compete with the device-only one (module docstring)
-            chunked = _chunked_plan(graph, cluster, options, progress)
-        except InfeasibleBudgetError:
-            return device_only
-        return min((device_only, chunked), key=lambda p: p.predictions["step_time_s"]["total"])
     if options.checkpoint == "none":
         return solve_sharding(graph, cluster, memory_budget=options.memory_budget_bytes, solver=options.solver,
                               time_limit_s=options.time_limit_s, progress=progress,
