@@ -217,11 +217,7 @@ def main() -> None:
             f"steps 2-{args.steps}. Peak: chunked plans' non-model peak (torch.profiler's live bytes, the chunk "
             "manager's own buffers left out) plus the plan's chunk working set. Parity: each step's loss against "
             "the same model trained in one process from the same seed.")
-    tail = ("Chunked plans run on the DTensor interpreter (no local-tensor lowering with chunk fetches yet): "
-            "their measured CPU step is several times their prediction, so the solver's predicted speed "
-            "order between a chunked and a device-only plan is not what runs, and `offload=\"auto\"` uses "
-            "chunks only where no device-only plan fits. With checkpoint regions, which that interpreter "
-            "recomputes whole, the walk over-predicts the peak.")
+    tail = ("Measured against predicted, the two kinds of plan disagree in both directions. Chunked plans with checkpoint regions run on the DTensor interpreter (no local-tensor lowering with chunk fetches yet) and measure 4-6x their prediction; the chunked GPT run as written measures about 2.3x its prediction; device-only plans measure 0.7-3.4x theirs (tensor-parallel ones slowest on gloo). So the solver's predicted speed order between a chunked and a device-only plan is not what runs: `offload=\"auto\"` keeps chunks for budgets no device-only plan fits, which costs the GPT rows at 20, 14 and 10 MiB (device-only measured 90-253 ms, the chunked plan 59-67 ms) and is right for the Llama rows (device-only 34-101 ms, chunked 129-150 ms). With checkpoint regions the walk over-predicts the peak by up to 8.5% (whole-region recomputation on the interpreter, and nested regions). Two device-only Llama rows (5.96 and 4.26 MiB) executed collectives other than the predicted ones.")
     body = f"Command: `python tools/bench/bench_three_way.py --write`\n\n{head}\n\n" + "\n".join(lines) + f"\n\n{tail}"
     print(body)
     if args.write:
