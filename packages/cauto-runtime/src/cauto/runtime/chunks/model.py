@@ -33,6 +33,7 @@
 
 from __future__ import annotations
 
+import atexit
 import time
 from dataclasses import dataclass
 
@@ -44,6 +45,18 @@ from cauto.profiler.memory_session import memory_session
 
 from .chunk import Layout, TensorState
 from .manager import BACKWARD_PINS, GRAD, OWN_BUFFERS, PARAM, ChunkManager
+
+#: the chunked model whose CPU warm-up is being measured, if any: one profiler session per process, so a
+#: warm-up left open (a forward and backward with no step after it) is ended by the next model's, and at exit
+_MEASURING: list = []
+
+
+def _end_open_measurement() -> None:
+    if _MEASURING:
+        _MEASURING[0].end_measure()
+
+
+atexit.register(_end_open_measurement)
 
 
 @dataclass(frozen=True)
@@ -247,6 +260,8 @@ class ChunkedModel(nn.Module):
         """At a forward: end the measurement still open; start one if this is a CPU warm-up forward (module doc)."""
         mgr = self.manager
         self.end_measure()
+        if _MEASURING:  # another chunked model's warm-up that never reached its next forward or step
+            _MEASURING[0].end_measure()
         if mgr.device.type != "cpu" or not mgr.recording:
             return
         if torch._C._autograd._profiler_enabled():
@@ -256,6 +271,7 @@ class ChunkedModel(nn.Module):
         mgr.measuring = True
         self._session = memory_session()
         self._prof = self._session.__enter__()
+        _MEASURING[:] = [self]
 
     def end_measure(self) -> None:
         """Stop measuring (at the next forward, or the warm-up's end) and raise the manager's non-model
@@ -265,6 +281,8 @@ class ChunkedModel(nn.Module):
         from cauto.runtime.verify import allocation_peak  # not at the top: cauto.runtime imports this module
 
         session, self._session = self._session, None
+        if _MEASURING and _MEASURING[0] is self:
+            _MEASURING.clear()
         session.__exit__(None, None, None)
         mgr = self.manager
         mgr.measuring = False
