@@ -28,6 +28,7 @@ from torch.export.graph_signature import InputKind
 
 from cauto.plan import graph_fingerprint
 from cauto.profiler.checkpoint_marks import CHECKPOINT_KEY, mark_checkpoints
+from cauto.profiler.eager_paths import eager_mask_decisions
 from cauto.profiler.errors import CaptureError, CustomFunctionError
 from cauto.profiler.stamp import differences, stamp_mode, stamped_export
 
@@ -207,7 +208,7 @@ def _export(wrapper: torch.nn.Module, args: tuple, kwargs: dict, device: torch.d
     to ``autocast`` when given; CaptureError saying why not."""
     casting = torch.autocast(device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
     try:
-        with refuse_autograd_functions(wrapper), mark_checkpoints(), _lazy_recompiles(), \
+        with refuse_autograd_functions(wrapper), mark_checkpoints(), _lazy_recompiles(), eager_mask_decisions(), \
                 on_fake_device(wrapper, (args, kwargs), device) as ((fake_args, fake_kwargs), originals), casting:
             exported = torch.export.export(wrapper, fake_args, fake_kwargs, strict=False)
         _devices_to_meta(exported, device, originals)

@@ -69,7 +69,9 @@ def measure(fn: Callable, *, train: bool = True, optimizer: str = "adamw", dtype
     if run == "graph":
         from cauto.profiler.checkpoint_marks import mark_checkpoints
 
-        with mark_checkpoints():
+        from cauto.profiler.eager_paths import eager_mask_decisions
+
+        with mark_checkpoints(), eager_mask_decisions():
             wrapper = torch.export.export(wrapper, args, kwargs, strict=False).module()
         _checkpoint_regions(wrapper)
     elif run != "eager":

@@ -68,7 +68,8 @@ def sdpa_for(device: str) -> Callable:
             # at::convert_boolean_attn_mask: where(mask, 0, -inf) in the query's dtype
             attn_mask = torch.where(attn_mask, 0.0, torch.scalar_tensor(float("-inf"), dtype=q.dtype,
                                                                           device=attn_mask.device))
-        if choice == _SDP_FLASH and device == "cpu" and q.size(1) == k.size(1):
+        if choice == _SDP_FLASH and device == "cpu" and (q.size(1) == k.size(1) or enable_gqa):
+            # the CPU flash kernel takes grouped key/value heads as they are (no repeat)
             return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal,
                                                                     attn_mask=attn_mask, scale=scale)[0]
         if choice == _SDP_FLASH and device == "cuda" and q.size(1) == k.size(1):
