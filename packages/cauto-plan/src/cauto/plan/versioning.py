@@ -19,12 +19,18 @@ from cauto.plan.execution import add_execution
 KINDS = ("graph", "plan")
 
 #: The version this cauto-plan writes, per document kind.
-CURRENT_VERSION: dict[str, tuple[int, int]] = {"graph": (1, 1), "plan": (1, 3)}
+CURRENT_VERSION: dict[str, tuple[int, int]] = {"graph": (1, 2), "plan": (1, 3)}
 
 
 def _graph_1_0_to_1_1(doc: dict) -> dict:
     """Graph 1.1 adds the optional ``bwd_workspace_bytes`` of a node; a 1.0 document measured none and is a
     valid 1.1 document as it is."""
+    return doc
+
+
+def _graph_1_1_to_1_2(doc: dict) -> dict:
+    """Graph 1.2 adds the optional ``memory.eager_peak_bytes`` and ``memory.peaks_differ_because``; a 1.1
+    document knew one peak, and is a valid 1.2 document as it is."""
     return doc
 
 
@@ -48,6 +54,7 @@ def _plan_1_2_to_1_3(doc: dict) -> dict:
 
 #: (kind, from_minor) -> function that turns a document of MAJOR.from_minor into MAJOR.from_minor+1.
 UPGRADERS: dict[tuple[str, int], Callable[[dict], dict]] = {("graph", 0): _graph_1_0_to_1_1,
+                                                           ("graph", 1): _graph_1_1_to_1_2,
                                                            ("plan", 0): _plan_1_0_to_1_1,
                                                            ("plan", 1): _plan_1_1_to_1_2,
                                                            ("plan", 2): _plan_1_2_to_1_3}

@@ -28,7 +28,7 @@ from torch.export.graph_signature import InputKind
 
 from cauto.plan import graph_fingerprint
 from cauto.profiler.checkpoint_marks import CHECKPOINT_KEY, mark_checkpoints
-from cauto.profiler.eager_paths import eager_mask_decisions
+from cauto.profiler.eager_paths import eager_holds, eager_mask_decisions, python_lifetimes
 from cauto.profiler.errors import CaptureError, CustomFunctionError
 from cauto.profiler.stamp import differences, stamp_mode, stamped_export
 
@@ -118,6 +118,10 @@ class Capture:
     #: example inputs that hold no tensor (CLIP's ``return_loss=True``), by position (int) or keyword (str):
     #: constants of the capture, not graph inputs (the graph was traced with these values)
     constants: dict = field(default_factory=dict)
+    #: {node: node after which eager frees it, or None for "when the forward returns"}: values the model's
+    #: Python keeps past their last use in the graph (:func:`cauto.profiler.eager_paths.eager_holds`);
+    #: None when not known (a stamped program)
+    eager_holds: dict | None = None
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -197,6 +201,8 @@ def capture(fn: ModelFactory, *, stamp: bool | None = None, device: str | torch.
     constants = _drop_constant_inputs(exported, args, kwargs)
     cap = Capture(exported, model, args, kwargs, *_placeholders(exported))
     cap.constants = constants
+    # a stamped program's names are not the short exports' names: its Python lifetimes are not known
+    cap.eager_holds = getattr(exported, "cauto_eager_holds", None)
     cap.sym_values = _data_dependent_sizes(exported)
     cap.stamping = note
     return cap
@@ -208,10 +214,12 @@ def _export(wrapper: torch.nn.Module, args: tuple, kwargs: dict, device: torch.d
     to ``autocast`` when given; CaptureError saying why not."""
     casting = torch.autocast(device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
     try:
-        with refuse_autograd_functions(wrapper), mark_checkpoints(), _lazy_recompiles(), eager_mask_decisions(), \
-                on_fake_device(wrapper, (args, kwargs), device) as ((fake_args, fake_kwargs), originals), casting:
-            exported = torch.export.export(wrapper, fake_args, fake_kwargs, strict=False)
+        with python_lifetimes() as deaths:
+            with refuse_autograd_functions(wrapper), mark_checkpoints(), _lazy_recompiles(), eager_mask_decisions(), \
+                    on_fake_device(wrapper, (args, kwargs), device) as ((fake_args, fake_kwargs), originals), casting:
+                exported = torch.export.export(wrapper, fake_args, fake_kwargs, strict=False)
         _devices_to_meta(exported, device, originals)
+        exported.cauto_eager_holds = eager_holds(exported.graph, deaths)
         return exported
     except CaptureError:
         raise

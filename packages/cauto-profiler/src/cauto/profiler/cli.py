@@ -70,9 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
 def _print_tables(prof, depth: int, out) -> None:
     s = prof.summary()
     print(f"model {prof.name}: {len(prof.nodes)} nodes, settings {json.dumps(prof.settings)}", file=out)
-    print(f"peak memory {_fmt_bytes(prof.peak_bytes)} ({prof.peak_bytes} bytes); model+inputs "
+    print(f"peak memory {_fmt_bytes(prof.peak_bytes)} ({prof.peak_bytes} bytes) eager; model+inputs "
           f"{_fmt_bytes(prof.baseline_bytes)}; FLOPs/step {_fmt_flops(prof.flops)}; "
           f"est. time/step {prof.time_s * 1e3:.3f} ms on {prof.device_model.name}", file=out)
+    if prof.peaks_differ_because is None:
+        print("cauto's program of this step peaks at the same bytes", file=out)
+    else:
+        print(f"cauto's program of this step peaks at {_fmt_bytes(prof.program_peak_bytes)} "
+              f"({prof.program_peak_bytes} bytes): {prof.peaks_differ_because}", file=out)
     print("", file=out)
     print(f"{'module':40s} {'nodes':>6s} {'fwd FLOP':>12s} {'bwd FLOP':>12s} {'saved':>12s} {'time ms':>10s}", file=out)
     for r in prof.module_table(depth=depth):

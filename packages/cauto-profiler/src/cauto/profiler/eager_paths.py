@@ -30,7 +30,9 @@ the data's, unknown at capture, and skipping the mask for them could train anoth
 from __future__ import annotations
 
 import contextlib
+import gc
 import sys
+import weakref
 
 import torch
 import torch.fx
@@ -124,3 +126,65 @@ def eager_mask_decisions():
     finally:
         for module, name, original in patched:
             setattr(module, name, original)
+
+
+# ------------------------------------------------------------------ lifetimes Python gives in eager
+
+class _PythonDeaths(torch.overrides.TorchFunctionMode):
+    """While exporting, notes for every tensor the model's Python receives from a torch call when
+    that Python object dies: the name of the newest graph node at that moment."""
+
+    def __init__(self):
+        super().__init__()
+        self.deaths: dict[str, str] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+
+        mode = get_proxy_mode()
+        if mode is None:
+            return out
+        for value in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(value, torch.Tensor):
+                slot = get_proxy_slot(value, mode.tracer, None)
+                if slot is not None:
+                    node = slot.proxy.node
+                    weakref.finalize(value, self._died, node.name, node.graph)
+        return out
+
+    def _died(self, name: str, graph: torch.fx.Graph) -> None:
+        self.deaths.setdefault(name, next(reversed(graph.nodes)).name)
+
+
+@contextlib.contextmanager
+def python_lifetimes():
+    """Records, while the block exports a model, when the model's Python drops each tensor it holds
+    (a local, an attribute of a cache object, a list); yields the dict {node name: name of the newest
+    node when its tensor died}, complete once the block has exited and the export's objects are gone.
+
+    The graph frees a value at its last use; eager Python frees it when its last reference dies, which
+    can be later: a KV-cache object that keeps the concatenated keys and values until the model's
+    forward returns (T5's decoder), a local read again only after a long stretch. Autograd's own
+    references (saved tensors) are seen too; those the profiler keeps until backward anyway.
+    """
+    recorder = _PythonDeaths()
+    with recorder:
+        yield recorder.deaths
+    gc.collect()  # objects in reference cycles (module outputs, caches) die here, after the last node
+
+
+def eager_holds(graph: torch.fx.Graph, deaths: dict[str, str]) -> dict[str, str | None]:
+    """{node name: the node after which eager frees it} for the values eager Python keeps past their last
+    use in ``graph``; None: until the forward returns (it died at or after the graph's last node)."""
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    order = {n.name: i for i, n in enumerate(nodes)}
+    holds: dict[str, str | None] = {}
+    for i, node in enumerate(nodes):
+        death = deaths.get(node.name)
+        if death is None or death not in order:
+            continue
+        last = max((order.get(u.name, len(nodes)) for u in node.users), default=i)
+        if order[death] > last:
+            holds[node.name] = None if order[death] >= len(nodes) - 1 else death
+    return holds

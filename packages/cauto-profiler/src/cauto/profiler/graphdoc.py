@@ -83,9 +83,12 @@ def build_graph_document(prof, *, max_timeline: int = 2000, validate: bool = Tru
         "settings": settings,
         "device": prof.device_model.to_dict(),
         "nodes": nodes,
-        "memory": {"peak_bytes": int(prof.peak_bytes), "phases": {k: int(v) for k, v in prof.phases.items()},
+        "memory": {"peak_bytes": int(prof.program_peak_bytes), "phases": {k: int(v) for k, v in prof.phases.items()},
                    "timeline": [[int(i), ph, node, int(live)] for i, ph, node, live in timeline]},
     }
+    if prof.peaks_differ_because is not None:
+        doc["memory"]["eager_peak_bytes"] = int(prof.peak_bytes)
+        doc["memory"]["peaks_differ_because"] = prof.peaks_differ_because
     if validate:
         check_document(doc, "graph")
     return doc

@@ -68,7 +68,6 @@ def measure(fn: Callable, *, train: bool = True, optimizer: str = "adamw", dtype
     wrapper = LossWrapper(model)
     if run == "graph":
         from cauto.profiler.checkpoint_marks import mark_checkpoints
-
         from cauto.profiler.eager_paths import eager_mask_decisions
 
         with mark_checkpoints(), eager_mask_decisions():

@@ -51,6 +51,26 @@ class Profile:
     timeline: list[tuple[int, str, str | None, int]]
     modelled_effects: list[str]
     peak_event: tuple[int, str, str | None, int] | None = None
+    #: the peak of cauto's runtime program (the captured graph, every value freed at its last use: what
+    #: plans predict and the solver calibrates on); ``peak_bytes`` is the user's eager step, where the
+    #: model's Python may keep values longer (None: the same as ``peak_bytes``)
+    program_peak_bytes: int | None = None
+    program_peak_event: tuple[int, str, str | None, int] | None = None
+
+    def __post_init__(self):
+        if self.program_peak_bytes is None:
+            self.program_peak_bytes = self.peak_bytes
+            self.program_peak_event = self.peak_event
+
+    @property
+    def peaks_differ_because(self) -> str | None:
+        """One line on why the eager peak and the program's peak differ, or None when they do not."""
+        if self.program_peak_bytes == self.peak_bytes:
+            return None
+        where = f" at node {self.peak_event[2]} ({self.peak_event[1]})" if self.peak_event else ""
+        return (f"the model's Python keeps tensors past their last use (a local read late, a cache object), "
+                f"{self.peak_bytes - self.program_peak_bytes:+d} bytes at the eager peak{where}; "
+                f"cauto's program frees each at its last use")
 
     @property
     def flops(self) -> float:
@@ -91,7 +111,8 @@ class Profile:
     def summary(self) -> dict:
         """A JSON-able summary (what ``cauto-profile --json`` prints)."""
         return {"name": self.name, "settings": self.settings, "device": self.device_model.to_dict(),
-                "peak_bytes": self.peak_bytes, "baseline_bytes": self.baseline_bytes, "phases": self.phases,
+                "peak_bytes": self.peak_bytes, "program_peak_bytes": self.program_peak_bytes,
+                "baseline_bytes": self.baseline_bytes, "phases": self.phases,
                 "phase_steps": self.phase_steps, "flops": self.flops, "time_s": self.time_s,
                 "num_nodes": len(self.nodes), "peak_event": list(self.peak_event) if self.peak_event else None,
                 "modelled_effects": self.modelled_effects}

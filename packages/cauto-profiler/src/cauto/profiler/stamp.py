@@ -347,13 +347,17 @@ class Stamped:
     state_dict: dict
     constants: dict
     module_call_graph: list[ModuleCallEntry]
+    #: eager Python's lifetimes (cauto.profiler.eager_paths.eager_holds) in the stamped names; None: unknown
+    eager_holds: dict | None = None
 
     def program(self, like: ExportedProgram) -> ExportedProgram:
         """An ExportedProgram of this graph (its GraphModule compiled), the rest taken from ``like``."""
-        return ExportedProgram(root=like.graph_module, graph=self.graph, graph_signature=self.graph_signature,
+        program = ExportedProgram(root=like.graph_module, graph=self.graph, graph_signature=self.graph_signature,
                                state_dict=self.state_dict, range_constraints=dict(like.range_constraints),
                                module_call_graph=self.module_call_graph, example_inputs=like.example_inputs,
                                constants=self.constants, verifiers=like.verifiers)
+        program.cauto_eager_holds = self.eager_holds
+        return program
 
 
 def _rename(text: str, prefix: str, old: int, new: int) -> str:
@@ -411,7 +415,43 @@ def stamp(ep: ExportedProgram, lay: _Layout, per: _PerBlock, total: int, root: n
     signature = ExportGraphSignature([s for _, s in specs], _output_specs(ep, renamed, lay.prefix))
     calls = _module_calls(ep, lay, total)
     return Stamped(stamper.graph, signature, _entries(ep.state_dict, lay, total, root),
-                   _entries(ep.constants, lay, total, root), calls)
+                   _entries(ep.constants, lay, total, root), calls,
+                   _stamped_holds(getattr(ep, "cauto_eager_holds", None), ep, lay, stamper, blocks))
+
+
+def _stamped_holds(holds: dict | None, ep: ExportedProgram, lay: _Layout, stamper: "_Stamper",
+                   blocks: list[list[torch.fx.Node]]) -> dict | None:
+    """The exported program's eager holds in the stamped graph's names: copied nodes keep theirs (their
+    targets renamed); each stamped block holds as the template block does, to the same position in its own
+    block, to the forward's return, or to the same node after the blocks."""
+    if holds is None:
+        return None
+    by_name = {n.name: n for n in ep.graph.nodes}
+    out: dict[str, str | None] = {}
+
+    def target(until: str | None, block: list[torch.fx.Node] | None) -> str | None | bool:
+        if until is None:
+            return None
+        node = by_name.get(until)
+        where = lay.where.get(node, (None, None))
+        if block is not None and where[0] == stamper.last:
+            return block[where[1]].name
+        made = stamper.new.get(node)
+        return made.name if made is not None else False
+
+    for name, until in holds.items():
+        node = by_name.get(name)
+        made = stamper.new.get(node)
+        to = target(until, None)
+        if made is not None and to is not False:
+            out[made.name] = to
+    for block in blocks[lay.blocks_n:]:
+        for pos, node in enumerate(lay.blocks[stamper.last]):
+            if node.name in holds:
+                to = target(holds[node.name], block)
+                if to is not False:
+                    out[block[pos].name] = to
+    return out
 
 
 def _same_name(node: torch.fx.Node) -> str:

@@ -72,7 +72,7 @@ class _Executor:
 
     def __init__(self, cap: Capture, env0: dict[str, torch.Tensor], tracker: Tracker, train: bool,
                  rng_bytes: int = 0, device: str = "meta", device_model: str = "cpu",
-                 on_forward: Callable[[int], None] | None = None):
+                 on_forward: Callable[[int], None] | None = None, holds: dict[str, str | None] | None = None):
         self.cap, self.env0, self.tracker, self.train = cap, env0, tracker, train
         self.rng_bytes = rng_bytes
         self.device = torch.device(device)
@@ -117,10 +117,17 @@ class _Executor:
                     last[n] = i
                 for a in n.all_input_nodes:
                     last[a] = i
+        # ``holds``: eager Python keeps these values past their last use, to a later node or to the
+        # forward's return (the eager peak; the runtime program frees at last use)
+        item_of = {n.name: i for i, (kind, what, _) in enumerate(items) if kind == "node" for n in [what]}
+        for n in list(last):
+            if n.name in (holds or {}) and n.name in item_of:
+                until = holds[n.name]
+                last[n] = len(items) if until is None else max(last[n], item_of.get(until, last[n]))
         self.free_after: list[list[torch.fx.Node]] = [[] for _ in items]
         outs = set(self.output.all_input_nodes)
         for n, i in last.items():
-            if n.op != "placeholder" and n not in outs:
+            if n.op != "placeholder" and n not in outs and i < len(items):
                 self.free_after[i].append(n)
         self.region_io = {}
         for i, (kind, what, _) in enumerate(items):
@@ -337,24 +344,34 @@ def profile(fn: Callable, *, train: bool = True, optimizer: str = "adamw", devic
     dm = get_device_model(device_model, device)
     mode = _tensor_mode(tensors, autocast)
     tensor_device = "cpu" if mode is not None else "meta"
-    env0, params, _inputs = _fake_state(cap, mode)
     baseline = _baseline_bytes(cap, _CUDA_BLOCK if device == "cuda" else 0)
     counter = None
     if progress is not None:
         counter = StepProgress(progress, [n.name for n in _forward_nodes(cap.graph)], steps, train,
                                optimizer != "none")
-    tracker = Tracker(block=_CUDA_BLOCK if device == "cuda" else 0, ask_kernels=device == "cpu",
-                      baseline_bytes=baseline, special=special_ops(device), memoize=mode is None,
-                      wrapped_scalars=device == "cpu", data_dependent=_data_dependent(cap, tensor_device),
-                      on_backward=counter.backward_at if counter is not None else None)
-    # checkpoint's saved RNG states are CPU tensors: host memory, not GPU memory
-    rng_bytes = torch.get_rng_state().numel() if device == "cpu" else 0
-    executor = _Executor(cap, env0, tracker, train, rng_bytes=rng_bytes, device=tensor_device,
-                         device_model=device, on_forward=counter.forward_done if counter is not None else None)
-    saved_at_backward = _simulate_steps(executor, tracker, env0, params, optimizer=optimizer, device=device,
-                                   train=train, steps=steps, mode=mode, autocast=autocast, counter=counter)
-    del env0, params
-    executor.env0 = {}  # let the fake/meta state go
+
+    def simulate(holds, counter):
+        env0, params, _inputs = _fake_state(cap, mode)
+        tracker = Tracker(block=_CUDA_BLOCK if device == "cuda" else 0, ask_kernels=device == "cpu",
+                          baseline_bytes=baseline, special=special_ops(device), memoize=mode is None,
+                          wrapped_scalars=device == "cpu", data_dependent=_data_dependent(cap, tensor_device),
+                          on_backward=counter.backward_at if counter is not None else None)
+        # checkpoint's saved RNG states are CPU tensors: host memory, not GPU memory
+        rng_bytes = torch.get_rng_state().numel() if device == "cpu" else 0
+        executor = _Executor(cap, env0, tracker, train, rng_bytes=rng_bytes, device=tensor_device,
+                             device_model=device, on_forward=counter.forward_done if counter is not None else None,
+                             holds=holds)
+        saved = _simulate_steps(executor, tracker, env0, params, optimizer=optimizer, device=device,
+                                train=train, steps=steps, mode=mode, autocast=autocast, counter=counter)
+        executor.env0 = {}  # let the fake/meta state go
+        return tracker, saved
+
+    # the runtime program: every value freed at its last use in the graph
+    tracker, saved_at_backward = simulate(None, counter)
+    # the user's eager step: values the model's Python keeps longer live longer (a second, silent run)
+    # (a value autograd saves lives into backward in both: holding it to a later forward node changes nothing)
+    holds = {n: until for n, until in (cap.eager_holds or {}).items() if n not in saved_at_backward}
+    eager = simulate(holds, None)[0] if holds else tracker
 
     nodes = _node_stats(cap, tracker, saved_at_backward, dm)
     phases = {k: v for k, v in tracker.phase_peak.items() if k not in ("setup", "end")}
@@ -362,10 +379,16 @@ def profile(fn: Callable, *, train: bool = True, optimizer: str = "adamw", devic
     settings = {"train": train, "optimizer": optimizer if train else "none",
                 "dtype": str(dtype or _model_dtype(cap)).removeprefix("torch."), "device": device,
                 "autocast": autocast, "steps": steps}
-    return Profile(name=name, capture=cap, settings=settings, device_model=dm, peak_bytes=tracker.peak,
+    effects = _modelled_effects(device, tracker.unasked)
+    effects.append("tensors the model's Python keeps past their last use (locals, cache objects) in the eager "
+                   "peak (peak_bytes)" if cap.eager_holds is not None else
+                   "NOT modelled in peak_bytes: tensors the model's Python keeps past their last use (the program "
+                   "was stamped from short exports, whose Python lifetimes do not name its nodes)")
+    return Profile(name=name, capture=cap, settings=settings, device_model=dm, peak_bytes=eager.peak,
                    baseline_bytes=baseline, phases=phases, phase_steps=phase_steps, nodes=nodes,
-                   timeline=tracker.timeline, modelled_effects=_modelled_effects(device, tracker.unasked),
-                   peak_event=tracker.peak_event)
+                   timeline=tracker.timeline, modelled_effects=effects,
+                   peak_event=eager.peak_event, program_peak_bytes=tracker.peak,
+                   program_peak_event=tracker.peak_event)
 
 
 def _checked_settings(optimizer: str, device: str, dtype: torch.dtype | str | None,

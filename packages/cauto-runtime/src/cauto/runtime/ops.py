@@ -204,7 +204,12 @@ def sdpa(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: b
             attn_mask = replicate(attn_mask, mesh)
         if tuple(attn_mask.placements) != tuple(mask_target):
             attn_mask = attn_mask.redistribute(mesh, mask_target)
-        mask_local = attn_mask.to_local()
+        # A mask broadcast over a dim the query is sharded on (batch or heads of size 1: T5's decoder position
+        # bias, (batch, 1, q, kv) masks under head sharding) is whole on every rank, but each rank's attention
+        # reads it for its own shard only: its local gradient is that shard's sum, a Partial sum on that axis.
+        grad_placements = [Partial("sum") if isinstance(t, Shard) and isinstance(m, Replicate) else m
+                           for t, m in zip(target, mask_target)]
+        mask_local = attn_mask.to_local(grad_placements=grad_placements)
     shape = (*query.shape[:-1], value.shape[-1])
     # No collective runs below; debug dispatch modes (CommDebugMode) are kept out of the local
     # computation, whose backward they would otherwise see with plain tensors. Tracing modes (the
