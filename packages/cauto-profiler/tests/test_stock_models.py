@@ -28,15 +28,25 @@ def test_learned_position_bias_models_profile_with_eagers_kernel(name):
     as eager does (before: CaptureError, flash attention is not differentiable w.r.t. attn_mask)."""
     fn = zoo.ZOO[name]
     prof = profile(fn)
-    graph = measure(fn, run="graph")
-    eager = measure(fn)
-    assert prof.peak_bytes == graph.peak_bytes
-    if name == "hf_swin":
-        assert prof.peak_bytes == eager.peak_bytes
-    else:
-        # T5 traced takes another path than eager (HF builds its masks differently under tracing):
-        # +2064 bytes (+0.26%) on this machine; the profiler is exact against the traced graph
-        assert abs(prof.peak_bytes - eager.peak_bytes) <= 0.003 * eager.peak_bytes
+    assert prof.program_peak_bytes == measure(fn, run="graph").peak_bytes
+    assert prof.peak_bytes == measure(fn).peak_bytes
+
+
+@pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama", "hf_bert", "hf_vit", "hf_t5"])
+def test_both_peaks_are_the_allocators(name):
+    """profile().peak_bytes is the eager step's peak and program_peak_bytes the captured program's, byte for
+    byte. Before: +0.7..3.4% over eager on these models, from the attention masks transformers builds only
+    when exported (causal, bidirectional, packed-sequence checks on position ids), Llama's grouped key/value
+    heads sent to the math kernel, and T5's decoder cache keeping its keys and values to the end of forward
+    in eager (the program frees them at last use: there the two peaks differ, and the profile says why)."""
+    fn = zoo.ZOO[name]
+    prof = profile(fn)
+    eager, program = measure(fn).peak_bytes, measure(fn, run="graph").peak_bytes
+    assert (prof.peak_bytes, prof.program_peak_bytes) == (eager, program)
+    assert (prof.peaks_differ_because is None) == (eager == program)
+    doc = prof.to_graph()
+    assert doc["memory"]["peak_bytes"] == program
+    assert doc["memory"].get("eager_peak_bytes", program) == eager
 
 
 def test_convnext_peak_is_the_eager_peak():

@@ -83,7 +83,7 @@ def build_graph_document(prof, *, max_timeline: int = 2000, validate: bool = Tru
         "settings": settings,
         "device": prof.device_model.to_dict(),
         "nodes": nodes,
-        "memory": {"peak_bytes": int(prof.program_peak_bytes), "phases": {k: int(v) for k, v in prof.phases.items()},
+        "memory": {"peak_bytes": int(prof.program_peak_bytes), "phases": {k: int(v) for k, v in prof.program_phases.items()},
                    "timeline": [[int(i), ph, node, int(live)] for i, ph, node, live in timeline]},
     }
     if prof.peaks_differ_because is not None:

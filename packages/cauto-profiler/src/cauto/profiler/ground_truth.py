@@ -50,10 +50,10 @@ def measure(fn: Callable, *, train: bool = True, optimizer: str = "adamw", dtype
 
     ``run="eager"`` calls the model as written; ``run="graph"`` exports the real model exactly as
     capture does and runs that graph (what cauto's runtime executes), its checkpointed nodes again
-    under non-reentrant torch.utils.checkpoint (export flattens them; capture marks them). They differ
-    where a model takes another code path under tracing — stock Hugging Face models build an explicit
-    attention mask when traced, and skip it in eager — and where eager Python keeps locals alive past
-    their last use (Hugging Face's GPT-2 holds its embeddings until the model's forward returns).
+    under non-reentrant torch.utils.checkpoint (export flattens them; capture marks them), exported as
+    capture exports (eager's mask paths, :mod:`cauto.profiler.eager_paths`). They differ where eager
+    Python keeps values alive past their last use (T5's decoder cache): the truths of
+    ``profile().peak_bytes`` and ``profile().program_peak_bytes``.
     """
     torch.manual_seed(seed)
     model, inputs = fn()

@@ -56,11 +56,18 @@ class Profile:
     #: model's Python may keep values longer (None: the same as ``peak_bytes``)
     program_peak_bytes: int | None = None
     program_peak_event: tuple[int, str, str | None, int] | None = None
+    #: the program's peak per phase (``phases`` are the eager step's); ``timeline`` and ``nodes`` are the program's
+    program_phases: dict[str, int] | None = None
+    program_phase_steps: dict[str, int] | None = None
 
     def __post_init__(self):
         if self.program_peak_bytes is None:
             self.program_peak_bytes = self.peak_bytes
             self.program_peak_event = self.peak_event
+        if self.program_phases is None:
+            self.program_phases = dict(self.phases)
+        if self.program_phase_steps is None:
+            self.program_phase_steps = dict(self.phase_steps)
 
     @property
     def peaks_differ_because(self) -> str | None:

@@ -147,6 +147,13 @@ class _Executor:
                 for a in n.all_input_nodes:
                     if a in inside:
                         inner_last[a] = j
+            # eager holds inside a checkpointed function: to a later node of it, or to its return
+            at = {n.name: j for j, n in enumerate(what)}
+            for a in list(inner_last):
+                if a.name in (holds or {}):
+                    until = holds[a.name]
+                    inner_last[a] = max(inner_last[a], at.get(until, len(what) - 1) if until is not None
+                                        else len(what) - 1)
             inner_free = [[] for _ in what]
             for a, j in inner_last.items():
                 if a not in used_after:
@@ -370,12 +377,20 @@ def profile(fn: Callable, *, train: bool = True, optimizer: str = "adamw", devic
     tracker, saved_at_backward = simulate(None, counter)
     # the user's eager step: values the model's Python keeps longer live longer (a second, silent run)
     # (a value autograd saves lives into backward in both: holding it to a later forward node changes nothing)
-    holds = {n: until for n, until in (cap.eager_holds or {}).items() if n not in saved_at_backward}
+    # Capture traced with autograd on, whose graph keeps its saved tensors to the end of the trace: without
+    # training (no autograd in eager) a hold to the forward's end may be autograd's alone, and only holds to a
+    # node inside the forward are the model's Python for sure.
+    holds = {n: until for n, until in (cap.eager_holds or {}).items()
+             if n not in saved_at_backward and (train or until is not None)}
     eager = simulate(holds, None)[0] if holds else tracker
 
     nodes = _node_stats(cap, tracker, saved_at_backward, dm)
-    phases = {k: v for k, v in tracker.phase_peak.items() if k not in ("setup", "end")}
-    phase_steps = {k: v for k, v in tracker.phase_step_peak.items() if not k.startswith("end")}
+    def phases_of(t: Tracker) -> tuple[dict, dict]:
+        return ({k: v for k, v in t.phase_peak.items() if k not in ("setup", "end")},
+                {k: v for k, v in t.phase_step_peak.items() if not k.startswith("end")})
+
+    phases, phase_steps = phases_of(eager)
+    program_phases, program_phase_steps = phases_of(tracker)
     settings = {"train": train, "optimizer": optimizer if train else "none",
                 "dtype": str(dtype or _model_dtype(cap)).removeprefix("torch."), "device": device,
                 "autocast": autocast, "steps": steps}
@@ -388,7 +403,8 @@ def profile(fn: Callable, *, train: bool = True, optimizer: str = "adamw", devic
                    baseline_bytes=baseline, phases=phases, phase_steps=phase_steps, nodes=nodes,
                    timeline=tracker.timeline, modelled_effects=effects,
                    peak_event=eager.peak_event, program_peak_bytes=tracker.peak,
-                   program_peak_event=tracker.peak_event)
+                   program_peak_event=tracker.peak_event, program_phases=program_phases,
+                   program_phase_steps=program_phase_steps)
 
 
 def _checked_settings(optimizer: str, device: str, dtype: torch.dtype | str | None,
