@@ -419,7 +419,7 @@ def stamp(ep: ExportedProgram, lay: _Layout, per: _PerBlock, total: int, root: n
                    _stamped_holds(getattr(ep, "cauto_eager_holds", None), ep, lay, stamper, blocks))
 
 
-def _stamped_holds(holds: dict | None, ep: ExportedProgram, lay: _Layout, stamper: "_Stamper",
+def _stamped_holds(holds: dict | None, ep: ExportedProgram, lay: _Layout, stamper: _Stamper,
                    blocks: list[list[torch.fx.Node]]) -> dict | None:
     """The exported program's eager holds in the stamped graph's names: copied nodes keep theirs (their
     targets renamed); each stamped block holds as the template block does, to the same position in its own
