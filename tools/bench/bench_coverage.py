@@ -483,11 +483,16 @@ def main() -> None:
 
 # Read off the sweep of 2026-12-05 and the re-run rows after it; rewrite it with the next sweep.
 FINDINGS = """\
-Findings (one sweep, 2026-12-06, all 25 models, then ConvNeXt again at its least fraction; machine otherwise idle):
+Findings (one sweep, 2026-12-06, all 25 models, then ConvNeXt again at its least fraction and BLOOM after custom
+Functions were kept; machine otherwise idle):
 
-* **Every profiled model plans on mesh 4 and on 2x2 and trains with parity: at most 1.2e-6 relative over 3 AdamW
-  steps** (CLIP 1.2e-6, RoBERTa 4.5e-7, the others 2.2e-7 or less, several exact). BLOOM is refused at profile by
-  name (its own `GeLUFunction`, issue 18 point 3: custom Functions are refused, not kept).
+* **All 25 models profile, plan on mesh 4 and on 2x2, and train with parity: at most 1.2e-6 relative over 3 AdamW
+  steps** (CLIP 1.2e-6, RoBERTa 4.5e-7, the others 2.2e-7 or less, several exact).
+* **BLOOM trains with its own `GeLUFunction`** (1.1e-7 on both meshes; its row is a rerun after the sweep): capture
+  keeps a custom autograd.Function as one node, `cauto_kept::<Function>`, whose backward is the Function's
+  (cauto.profiler.kept_functions). BLOOM's backward happens to equal autodiff of its forward; the straight-through
+  model of packages/cauto-runtime/tests/test_runtime.py is the case where they differ (parity on 2 ranks, dp and
+  a split first layer; zeroing the kept backward fails it).
 * **This sweep ran after capture began taking eager's attention paths** (no mask where eager builds none, SDPA
   `is_causal` or unmasked; cauto.profiler.eager_paths), so every transformer here trains the program eager runs.
   That change exposed a runtime bug: a mask broadcast over a dim the query is sharded on (T5's decoder position

@@ -1,4 +1,5 @@
-"""A custom torch.autograd.Function is refused by name, never replaced by autodiff of its forward."""
+"""A custom torch.autograd.Function is kept as one node with its own backward, or refused by name; never
+replaced by autodiff of its forward."""
 
 from __future__ import annotations
 
@@ -69,14 +70,63 @@ def test_eager_gradient_is_not_autodiff_of_forward():
 
 
 @pytest.mark.parametrize("blocks", [1, 5])  # 5: the repeated-block (stamped) capture path
-def test_profile_refuses_custom_function_by_name_and_module(blocks):
+def test_custom_function_is_one_node_with_its_own_backward(blocks):
+    """The Function is one node (its forward's round is not in the graph), the profile's peak is the eager
+    step's byte for byte, and the gradient through the captured program is the Function's (straight
+    through: ones), not autodiff of its forward (zeros). Before: refused at capture."""
+    from cauto.profiler.ground_truth import measure
+
+    def fn():
+        torch.manual_seed(0)
+        return Net(blocks), torch.randn(4, 8)
+
+    cap = capture(fn)
+    targets = [str(n.target) for n in cap.graph.nodes if n.op == "call_function"]
+    kept = [t for t in targets if t.startswith("cauto_kept.")]
+    assert len(kept) == blocks and "aten.round.default" not in targets
+    assert profile(fn).peak_bytes == measure(fn).peak_bytes
+    # the captured program, run for real: the gradient reaching the Function's input is the user's
+    from cauto.profiler.capture import LossWrapper, keep_autograd_functions
+
+    model, x = Net(blocks), torch.randn(4, 8)
+    wrapper = LossWrapper(model)
+    with keep_autograd_functions(wrapper):
+        program = torch.export.export(wrapper, (x,), strict=False).module()
+    program(x).backward()
+    from_program = model.layers[0].proj.weight.grad.clone()
+    model.zero_grad()
+    wrapper(x).backward()
+    assert torch.equal(from_program, model.layers[0].proj.weight.grad)
+    assert from_program.abs().sum() > 0  # autodiff of round would give exactly 0 here
+
+
+class TensorOnCtx(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.kept = x * 2  # a tensor outside save_for_backward
+        return x * 3
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.kept
+
+
+def test_function_that_cannot_be_kept_is_refused_by_name_module_and_reason():
+    class Uses(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return TensorOnCtx.apply(self.proj(x)).sum()
+
     with pytest.raises(CustomFunctionError) as info:
-        profile(lambda: (Net(blocks), torch.randn(4, 8)))
+        profile(lambda: (Uses(), torch.randn(4, 8)))
     msg = str(info.value)
-    assert "StraightThroughRound" in msg and "'layers.0.quant'" in msg
+    assert "TensorOnCtx" in msg and "top-level forward" in msg and "save_for_backward" in msg
     assert ".detach()" in msg  # says what to do
     assert isinstance(info.value, CaptureError)
-    # the patch is gone after the refusal: eager use of the Function still has its own backward
+    # the patch is gone after the refusal: eager use of a Function still has its own backward
     x = torch.randn(3, requires_grad=True)
     StraightThroughRound.apply(x).sum().backward()
     assert torch.equal(x.grad, torch.ones(3))
@@ -124,9 +174,6 @@ def test_library_op_with_registered_autograd_is_one_node_not_a_refused_function(
     targets = [str(n.target) for n in cap.graph.nodes if n.op == "call_function"]
     assert "cauto_test.scaled_copy.default" in targets
     assert "aten.mul.Tensor" not in targets  # its forward was not inlined
-    # a user's Function is still refused in the same process
-    with pytest.raises(CustomFunctionError):
-        capture(lambda: (Net(), torch.randn(4, 8)))
 
 
 class DeviceBranch(nn.Module):

@@ -11,7 +11,7 @@ import torch
 from conftest import fake_world, plan_for, run_ranks, zoo_capture
 
 K = dict(batch=12, seq=16, vocab=64, dim=32, layers=1, heads=4)
-KW = {"mlp": dict(batch=12, dim=16, hidden=32), "gpt": K, "llama": dict(K, kv_heads=2, hidden=64),
+KW = {"mlp": dict(batch=12, dim=16, hidden=32), "mlp_straight_through": dict(batch=12, dim=16, hidden=32), "gpt": K, "llama": dict(K, kv_heads=2, hidden=64),
       "cnn": dict(batch=12, width=8, blocks=2, image=8), "hf_gpt2": K, "hf_llama": dict(K, kv_heads=2, hidden=64),
       "hf_mixtral": dict(batch=4, seq=8), "hf_t5": dict(batch=2, seq=8, target=4),
       "hf_swin": {}}
@@ -342,3 +342,18 @@ def test_stock_models_ops_without_dtensor_rules_train_like_one_process(tmp_path)
         swin = rank_result["swin_dp"]
         assert "error" not in swin, swin.get("error")
         assert max(swin["loss_diffs"]) < TOL * max(1.0, abs(swin["loss"])), swin
+
+
+def test_custom_autograd_function_trains_with_its_own_backward_on_two_ranks(tmp_path):
+    """A straight-through rounding Function (backward: identity; autodiff of its forward: zero) is kept as
+    one node, ``cauto_kept::...``, whose backward is the user's: on 2 ranks, batch split and with the first
+    layer's weight split by rows (the Function then meets a sharded activation, which runs replicated), the
+    losses and gradients are the single process's. Autodiff of the forward would give the hidden layers'
+    weights no gradient at all (before: refused at capture)."""
+    jobs = [job("ste_dp", "mlp_straight_through", [2], ["dp"], inputs="S(0)"),
+            job("ste_tp", "mlp_straight_through", [2], ["tp"], inputs="R", params={"layers.0.weight": "S(0)", "layers.0.bias": "S(0)"})]
+    kept = [n for n in jobs[0]["plan"]["nodes"] if n.startswith("cauto_profiler_zoo_straight_through_round")]
+    assert len(kept) == 2, list(jobs[0]["plan"]["nodes"])
+    for rank_result in run_ranks(2, jobs, tmp_path, timeout_s=180):
+        for name in ("ste_dp", "ste_tp"):
+            assert_parity(rank_result, name)

@@ -215,7 +215,7 @@ def _export(wrapper: torch.nn.Module, args: tuple, kwargs: dict, device: torch.d
     casting = torch.autocast(device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
     try:
         with python_lifetimes() as deaths:
-            with refuse_autograd_functions(wrapper), mark_checkpoints(), _lazy_recompiles(), eager_mask_decisions(), \
+            with keep_autograd_functions(wrapper), mark_checkpoints(), _lazy_recompiles(), eager_mask_decisions(), \
                     on_fake_device(wrapper, (args, kwargs), device) as ((fake_args, fake_kwargs), originals), casting:
                 exported = torch.export.export(wrapper, fake_args, fake_kwargs, strict=False)
         _devices_to_meta(exported, device, originals)
@@ -295,33 +295,47 @@ def _devices_to_meta(exported: torch.export.ExportedProgram, device: torch.devic
 
 
 @contextlib.contextmanager
-def refuse_autograd_functions(wrapper: torch.nn.Module):
-    """While exporting, raise CustomFunctionError at the first ``torch.autograd.Function.apply``.
+def keep_autograd_functions(wrapper: torch.nn.Module):
+    """While exporting, keep every user ``torch.autograd.Function`` as one node with its own backward
+    (:mod:`cauto.profiler.kept_functions`), or raise CustomFunctionError naming the Function, the module
+    that calls it and what to do, where it cannot be kept.
 
-    torch.export (non-strict) runs a Function's forward and records its ATen ops, so the graph's
-    backward would be autodiff of the forward, not the Function's own ``backward`` (a straight-through
-    estimator would silently train another model). Capture cannot keep a Function as one node (the
-    profiler, the solver and the runtime all work on ATen ops), so it refuses the model by the
-    Function's name and the module that calls it.
+    Left alone, torch.export (non-strict) runs a Function's forward and records its ATen ops, so the
+    graph's backward would be autodiff of the forward, not the Function's own ``backward`` (a
+    straight-through estimator would silently train another model): that never happens.
 
     The Functions torch generates for a ``torch.library`` custom op with a registered autograd
-    formula (:func:`is_registered_op_function`) pass: they are how torch runs a registered op's
-    autograd, the graph keeps the op as one node, and its backward is the registered formula.
+    formula (:func:`is_registered_op_function`) pass as they are: they are how torch runs a registered
+    op's autograd (kept ops included), the graph keeps the op as one node, and its backward is the
+    registered formula.
     """
+    from cauto.profiler.kept_functions import KeptFunctionError, call_kept
+
     function = torch.autograd.Function
     original = function.__dict__["apply"]
     names = {id(m): name for name, m in wrapper.named_modules()}
 
-    def refuse(cls, *args, **kwargs):
+    def keep(cls, *args, **kwargs):
         if is_registered_op_function(cls):
             return original.__func__(cls, *args, **kwargs)
-        raise CustomFunctionError(_custom_function_message(cls, _calling_module(names)))
+        if _is_reentrant_checkpoint(cls):
+            raise CustomFunctionError(_custom_function_message(cls, _calling_module(names)))
+        try:
+            if kwargs:
+                raise KeptFunctionError("it is called with keyword arguments")
+            return call_kept(cls, args)
+        except KeptFunctionError as why:
+            raise CustomFunctionError(_custom_function_message(cls, _calling_module(names), str(why))) from None
 
-    function.apply = classmethod(refuse)
+    function.apply = classmethod(keep)
     try:
         yield
     finally:
         function.apply = original
+
+
+def _is_reentrant_checkpoint(cls: type) -> bool:
+    return cls.__qualname__ == "CheckpointFunction" and cls.__module__ == "torch.utils.checkpoint"
 
 
 def is_registered_op_function(cls: type) -> bool:
@@ -344,17 +358,18 @@ def _calling_module(names: dict[int, str]) -> str:
     return ""
 
 
-def _custom_function_message(cls: type, module: str) -> str:
+def _custom_function_message(cls: type, module: str, why: str = "") -> str:
     qualname = f"{cls.__module__}.{cls.__qualname__}"
     where = f"module {module!r}" if module else "the model's top-level forward"
-    if cls.__qualname__ == "CheckpointFunction" and cls.__module__ == "torch.utils.checkpoint":
+    if _is_reentrant_checkpoint(cls):
         what = ("reentrant torch.utils.checkpoint is a custom autograd.Function: call "
                 "torch.utils.checkpoint.checkpoint(..., use_reentrant=False) (or gradient_checkpointing_enable("
                 "gradient_checkpointing_kwargs={'use_reentrant': False}) on a Hugging Face model)")
     else:
-        what = ("cauto keeps no custom backward and will not replace it by autodiff of its forward; write it as "
-                "plain torch code whose autodiff is the gradient you want (straight-through rounding: "
-                "x + (torch.round(x) - x).detach()), or keep it outside the model you give cauto")
+        what = (f"cauto cannot keep it as one node with its own backward ({why}) and will not replace it by "
+                "autodiff of its forward; call it with tensor and constant positional arguments, keep the "
+                "tensors its backward needs in ctx.save_for_backward, or write it as plain torch code whose "
+                "autodiff is the gradient you want (straight-through rounding: x + (torch.round(x) - x).detach())")
     return f"custom torch.autograd.Function {qualname} called in {where}: {what}"
 
 

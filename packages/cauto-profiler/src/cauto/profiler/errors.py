@@ -8,5 +8,5 @@ class CaptureError(RuntimeError):
 
 
 class CustomFunctionError(CaptureError):
-    """The model calls a custom ``torch.autograd.Function``, which capture cannot keep (see
-    :func:`cauto.profiler.capture.refuse_autograd_functions`)."""
+    """The model calls a custom ``torch.autograd.Function`` that capture cannot keep as one node with its own
+    backward (see :func:`cauto.profiler.capture.keep_autograd_functions`)."""

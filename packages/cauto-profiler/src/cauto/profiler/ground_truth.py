@@ -67,10 +67,11 @@ def measure(fn: Callable, *, train: bool = True, optimizer: str = "adamw", dtype
     args, kwargs = split_inputs(inputs)
     wrapper = LossWrapper(model)
     if run == "graph":
+        from cauto.profiler.capture import keep_autograd_functions
         from cauto.profiler.checkpoint_marks import mark_checkpoints
         from cauto.profiler.eager_paths import eager_mask_decisions
 
-        with mark_checkpoints(), eager_mask_decisions():
+        with mark_checkpoints(), eager_mask_decisions(), keep_autograd_functions(wrapper):
             wrapper = torch.export.export(wrapper, args, kwargs, strict=False).module()
         _checkpoint_regions(wrapper)
     elif run != "eager":

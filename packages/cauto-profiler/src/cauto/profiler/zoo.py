@@ -29,6 +29,31 @@ class MLP(nn.Module):
         return F.mse_loss(x, target)
 
 
+class StraightThroughRound(torch.autograd.Function):
+    """Rounds to multiples of ``1 / scale``; backward passes the gradient straight through (autodiff of the
+    forward would give 0): a model whose training depends on its custom backward being kept."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return torch.round(x * scale) / scale
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class QuantizedMLP(MLP):
+    """The MLP with its hidden activations rounded by a straight-through estimator (a custom Function)."""
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = StraightThroughRound.apply(F.gelu(x), 4.0)
+        return F.mse_loss(x, target)
+
+
 class BasicBlock(nn.Module):
     """ResNet basic block: two 3x3 convs with BatchNorm and a residual."""
 
@@ -202,6 +227,11 @@ def mlp_finetune(batch: int = 32, dim: int = 64, hidden: int = 256, layers: int 
     return model, (torch.randn(batch, dim), torch.randn(batch, dim))
 
 
+def mlp_straight_through(batch: int = 32, dim: int = 64, hidden: int = 256, layers: int = 3):
+    """The MLP with a custom autograd.Function (straight-through rounding) after each hidden layer."""
+    return QuantizedMLP(dim, hidden, layers), (torch.randn(batch, dim), torch.randn(batch, dim))
+
+
 def cnn(batch: int = 8, width: int = 16, blocks: int = 2, image: int = 16, classes: int = 10):
     return ResNet(width, blocks, classes), (torch.randn(batch, 3, image, image), torch.randint(0, classes, (batch,)))
 
@@ -369,7 +399,7 @@ def hf_resnet(batch: int = 4, image: int = 32, dims: tuple = (16, 32, 64, 128), 
         "labels": torch.randint(0, classes, (batch,))}
 
 
-ZOO = {"mlp": mlp, "mlp_finetune": mlp_finetune, "cnn": cnn, "gpt": gpt, "llama": llama, "gpt2_small": gpt2_small,
+ZOO = {"mlp": mlp, "mlp_finetune": mlp_finetune, "mlp_straight_through": mlp_straight_through, "cnn": cnn, "gpt": gpt, "llama": llama, "gpt2_small": gpt2_small,
        "hf_gpt2": hf_gpt2, "hf_llama": hf_llama, "hf_mixtral": hf_mixtral, "hf_bert": hf_bert,
        "hf_llama2_7b": hf_llama2_7b, "hf_clip": hf_clip,
        "hf_t5": hf_t5, "hf_vit": hf_vit, "hf_swin": hf_swin, "hf_convnext": hf_convnext, "hf_resnet": hf_resnet}
