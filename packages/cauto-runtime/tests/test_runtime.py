@@ -357,3 +357,24 @@ def test_custom_autograd_function_trains_with_its_own_backward_on_two_ranks(tmp_
     for rank_result in run_ranks(2, jobs, tmp_path, timeout_s=180):
         for name in ("ste_dp", "ste_tp"):
             assert_parity(rank_result, name)
+
+
+def test_custom_function_declared_elementwise_runs_on_shards(tmp_path):
+    """The same straight-through Function declared elementwise (cauto.profiler.declare_elementwise): its kept
+    op gets pointwise labels, the batch split flows through it (no gather before it, as the undeclared one
+    needs), and each rank runs it and its own backward on its shard, with the single process's losses."""
+    from cauto.profiler.labels import labels_for
+
+    kw = dict(KW["mlp_straight_through"], shardable=True)
+    cap = zoo_capture("mlp_straight_through", kw)
+    (node, *_) = [n for n in cap.graph.nodes if str(n.target).startswith("cauto_kept.")]
+    assert labels_for(node)["rule"] == "pointwise"
+    plain = [n for n in zoo_capture("mlp_straight_through", KW["mlp_straight_through"]).graph.nodes
+             if str(n.target).startswith("cauto_kept.")][0]
+    assert labels_for(plain)["rule"] == "replicate"
+    jobs = [dict(job("ste_shard", "mlp_straight_through", [2], ["dp"], inputs="S(0)"), kwargs=kw)]
+    jobs[0]["plan"] = plan_for("mlp_straight_through", kw, (2,), ["dp"], inputs="S(0)")
+    kept = [e for n, e in jobs[0]["plan"]["nodes"].items() if n.startswith("cauto_profiler_zoo_shardable")]
+    assert kept and all(e["inputs"] == [["S(0)"]] and e["outputs"][0] == ["S(0)"] for e in kept), kept
+    for rank_result in run_ranks(2, jobs, tmp_path, timeout_s=180):
+        assert_parity(rank_result, "ste_shard")

@@ -15,6 +15,13 @@ So the program has one node (``cauto_kept::<Function>``) where the Function was 
 is the user's. The runtime runs such an op replicated on every rank (it has no sharding rule), as it runs
 any library op without one, and the op is registered again in every process that captures the model.
 
+**Declaring a sharding rule.** Without one the op runs replicated. A Function that works element by element
+on tensors of one shape (each output element depends only on the same element of its inputs: activations,
+quantizers, straight-through estimators) can say so, ``cauto.profiler.declare_elementwise(MyFunction)`` (or
+as a class decorator); then every tensor of the op shares one set of letters in the graph's sharding labels,
+the solver may keep any split of those dims through it, and the runtime runs it on each rank's shard
+(:func:`is_elementwise`). The declaration is the user's promise: cauto cannot check what a Function computes.
+
 Non-tensor arguments (numbers, strings, None) are constants of the op: one op per Function and set of
 constants. Kept as they are: a forward's non-tensor ``ctx`` attributes (read at every call). Refused by
 name (CustomFunctionError): a Function whose ``ctx`` holds a tensor outside ``save_for_backward``, one
@@ -180,3 +187,25 @@ def call_kept(cls: type, args: tuple):
     result = op(tensors)
     n_out, _, _, as_tuple = kept.local.last
     return tuple(result[:n_out]) if as_tuple else result[0]
+
+
+_ELEMENTWISE: set[type] = set()
+
+
+def declare_elementwise(cls: type) -> type:
+    """Declare that ``cls`` (a torch.autograd.Function) is elementwise over tensors of one shape (see the
+    module doc): its kept op may run on shards. Returns ``cls``, so it also works as a class decorator."""
+    if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
+        raise TypeError(f"declare_elementwise takes a torch.autograd.Function subclass, not {cls!r}")
+    _ELEMENTWISE.add(cls)
+    return cls
+
+
+def is_elementwise(target: object) -> bool:
+    """True for the kept op (an OpOverload or its name, ``cauto_kept.<name>.default``) of a Function declared
+    elementwise."""
+    text = str(target)
+    if not text.startswith(NAMESPACE + "."):
+        return False
+    entry = _OPS.get(text.split(".")[1])
+    return entry is not None and entry[1].cls in _ELEMENTWISE

@@ -41,6 +41,7 @@ import torch
 import torch.fx
 
 from cauto.profiler.capture import output_tensors, tensor_inputs
+from cauto.profiler.kept_functions import is_elementwise
 
 LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 NEVER = "."
@@ -638,5 +639,15 @@ def labels_for(node: torch.fx.Node) -> dict | None:
     op = OpView(node)
     entry = _BY_TARGET.get(op.target)
     if entry is None:
-        return replicate_only(op)
+        return kept_elementwise(op) if is_elementwise(op.target) else replicate_only(op)
     return entry[1](op)
+
+
+def kept_elementwise(op: OpView) -> Labels:
+    """A kept custom Function declared elementwise (cauto.profiler.declare_elementwise): every tensor, inputs
+    and outputs, shares one set of letters when all have one shape; otherwise it runs replicated."""
+    shapes = op.inputs + op.outputs
+    if not shapes or len(set(shapes)) != 1:
+        return replicate_only(op)
+    spec = _free(shapes[0])
+    return _make([spec] * len(op.inputs), [spec] * len(op.outputs), "pointwise")

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from cauto.profiler.kept_functions import declare_elementwise
+
 
 class MLP(nn.Module):
     """Three linear layers with GELU; loss is MSE against a target."""
@@ -43,14 +45,23 @@ class StraightThroughRound(torch.autograd.Function):
         return grad, None
 
 
+@declare_elementwise
+class ShardableStraightThroughRound(StraightThroughRound):
+    """The same Function, declared elementwise: its kept op may run on shards."""
+
+
 class QuantizedMLP(MLP):
     """The MLP with its hidden activations rounded by a straight-through estimator (a custom Function)."""
+
+    def __init__(self, dim: int = 64, hidden: int = 256, layers: int = 3, shardable: bool = False):
+        super().__init__(dim, hidden, layers)
+        self.round = ShardableStraightThroughRound if shardable else StraightThroughRound
 
     def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         for i, layer in enumerate(self.layers):
             x = layer(x)
             if i < len(self.layers) - 1:
-                x = StraightThroughRound.apply(F.gelu(x), 4.0)
+                x = self.round.apply(F.gelu(x), 4.0)
         return F.mse_loss(x, target)
 
 
@@ -227,9 +238,11 @@ def mlp_finetune(batch: int = 32, dim: int = 64, hidden: int = 256, layers: int 
     return model, (torch.randn(batch, dim), torch.randn(batch, dim))
 
 
-def mlp_straight_through(batch: int = 32, dim: int = 64, hidden: int = 256, layers: int = 3):
-    """The MLP with a custom autograd.Function (straight-through rounding) after each hidden layer."""
-    return QuantizedMLP(dim, hidden, layers), (torch.randn(batch, dim), torch.randn(batch, dim))
+def mlp_straight_through(batch: int = 32, dim: int = 64, hidden: int = 256, layers: int = 3,
+                         shardable: bool = False):
+    """The MLP with a custom autograd.Function (straight-through rounding) after each hidden layer;
+    ``shardable``: the Function is declared elementwise (cauto.profiler.declare_elementwise)."""
+    return QuantizedMLP(dim, hidden, layers, shardable), (torch.randn(batch, dim), torch.randn(batch, dim))
 
 
 def cnn(batch: int = 8, width: int = 16, blocks: int = 2, image: int = 16, classes: int = 10):

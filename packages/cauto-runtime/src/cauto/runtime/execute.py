@@ -45,6 +45,7 @@ from cauto.profiler.capture import (
     tensor_bytes,
     tensor_inputs,
 )
+from cauto.profiler.kept_functions import is_elementwise
 from cauto.runtime import ops
 from cauto.runtime.collectives import describe
 from cauto.runtime.propagate import Propagation
@@ -276,7 +277,10 @@ def _rewrite_op(rw: _Rewrite, node: torch.fx.Node) -> None:
     if node.target in ops.SUBSTITUTES:
         node.target = ops.SUBSTITUTES[node.target]
     outs = planned(node.name, "outputs")
-    if ops.is_library_op(node.target):
+    if is_elementwise(node.target):
+        node.args = (node.target, *node.args)
+        node.target = ops.elementwise_op
+    elif ops.is_library_op(node.target):
         if any(p != replicated for p in [*wanted, *outs]):
             raise ValueError(f"plan.nodes[{node.name!r}] places the library op {node.target} (no sharding rule) "
                              f"{wanted} -> {outs}; it runs only replicated: solve the plan again")

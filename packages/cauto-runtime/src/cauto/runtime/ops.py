@@ -291,6 +291,26 @@ def replicated_op(op: torch._ops.OpOverload, *args, **kwargs):
                            if isinstance(t, torch.Tensor) else t, out)
 
 
+def elementwise_op(op: torch._ops.OpOverload, xs: list):
+    """A kept custom Function declared elementwise (``cauto.profiler.declare_elementwise``) run on each rank's
+    shard: its tensors (one shape, one placement: the plan's labels give them one set of letters) go in as
+    local tensors and its outputs come back as DTensors placed as the inputs. ``to_local``/``from_local``
+    carry the gradient across; the Function's own backward runs on the shards."""
+    dtensors = [x for x in xs if isinstance(x, DTensor)]
+    if not dtensors:
+        return op(xs)
+    first = dtensors[0]
+    mesh, placements = first.device_mesh, tuple(first.placements)
+    if any(tuple(x.placements) != placements or x.shape != first.shape for x in dtensors) or \
+            any(p.is_partial() for p in placements):
+        raise RuntimeError(f"{op} is declared elementwise and runs on shards, but its inputs are placed "
+                           f"{[tuple(x.placements) for x in dtensors]} (one placement, no Partial, is needed)")
+    out = op([x.to_local() if isinstance(x, DTensor) else x for x in xs])
+    stride = _contiguous_stride(tuple(first.shape))
+    return [DTensor.from_local(t, mesh, placements, run_check=False, shape=first.shape, stride=stride)
+            for t in out]
+
+
 def checkpointed(region: torch.nn.Module, *args):
     """Run a checkpoint region (a sub-GraphModule) under non-reentrant ``torch.utils.checkpoint``.
 

@@ -21,8 +21,9 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.debug import CommDebugMode
 
 from cauto.profiler.capture import Capture, is_value_node, output_tensors, tensor_inputs
+from cauto.profiler.kept_functions import is_elementwise
 from cauto.runtime.dist_utils import local_slices, placements_text, to_placements
-from cauto.runtime.ops import SUBSTITUTES, is_library_op, replicated_op
+from cauto.runtime.ops import SUBSTITUTES, elementwise_op, is_library_op, replicated_op
 from cauto.runtime.verify import executed_counts
 
 
@@ -92,7 +93,11 @@ def propagate(cap: Capture, mesh: DeviceMesh, placeholders: dict[str, str], *,
             continue
         distributed = any(isinstance(v, DTensor) for v in values)
         planned = (node_inputs or {}).get(node.name)
-        if planned is None and is_library_op(node.target):  # it runs only replicated (ops.replicated_op)
+        elementwise = is_elementwise(node.target)  # a kept Function declared elementwise: runs on shards
+        if planned is None and elementwise and distributed:  # its inputs share the first one's placement
+            first = next(v for v in values if isinstance(v, DTensor))
+            planned = [_text(first)] * len(values)
+        elif planned is None and is_library_op(node.target):  # it runs only replicated (ops.replicated_op)
             planned = [replicated] * len(values)
         placed = []
         for k, v in enumerate(values):
@@ -105,7 +110,9 @@ def propagate(cap: Capture, mesh: DeviceMesh, placeholders: dict[str, str], *,
         args, kwargs = _substitute(node, placed, env)
         try:
             with CommDebugMode() as comms:
-                if is_library_op(node.target):
+                if elementwise:
+                    out = elementwise_op(node.target, *args, **kwargs)
+                elif is_library_op(node.target):
                     out = replicated_op(node.target, *args, **kwargs)
                 else:
                     out = SUBSTITUTES.get(node.target, node.target)(*args, **kwargs)
