@@ -93,8 +93,9 @@ def test_batch_norm_batch_dim_is_never_split():
 
 PARITY = [  # (zoo model, its kwargs, {mesh: budget as a fraction of the unsharded peak})
     ("hf_resnet", dict(batch=8), {(4,): 0.6, (2, 2): 0.6}),
-    # mesh 4 at 0.45 redistributes CLIP's expanded input (ops._GradLayoutOfInput)
-    ("hf_clip", {}, {(4,): 0.45, (2, 2): 0.75}),
+    # mesh 4 at 0.47 redistributes CLIP's expanded input (ops._GradLayoutOfInput); its least plan needs 46% of the
+    # unsharded peak since capture skips the attention masks eager skips (0.45 before)
+    ("hf_clip", {}, {(4,): 0.47, (2, 2): 0.75}),
 ]
 
 
