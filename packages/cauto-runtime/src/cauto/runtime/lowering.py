@@ -67,12 +67,27 @@ def _signature(x) -> tuple:
     return (type(x).__name__,)
 
 
-def _axis_of_group(mesh: DeviceMesh) -> dict[str, str]:
-    out = {}
+def mesh_axis_of_group(mesh: DeviceMesh, group_name: str) -> int | None:
+    """The axis of ``mesh`` whose process group is ``group_name``, or has its ranks: None for another name.
+
+    DTensor caches a redistribution's plan by mesh equality, so in a process that built an equal mesh
+    before (a second ``autoparallelize`` of the same plan, a notebook, a test session) the program may
+    issue a collective on the earlier mesh's group of the same ranks: the same axis."""
+    import torch.distributed as dist
+
     for axis in range(mesh.ndim):
-        name = (mesh.mesh_dim_names or [str(a) for a in range(mesh.ndim)])[axis]
-        out[mesh.get_group(axis).group_name] = f"mesh axis {axis} ({name})"
-    return out
+        if mesh.get_group(axis).group_name == group_name:
+            return axis
+    try:
+        ranks = dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(group_name))
+    except (RuntimeError, ValueError, KeyError, AttributeError):
+        return None
+    return next((axis for axis in range(mesh.ndim)
+                 if dist.get_process_group_ranks(mesh.get_group(axis)) == ranks), None)
+
+
+def _axis_label(mesh: DeviceMesh, axis: int) -> str:
+    return f"mesh axis {axis} ({(mesh.mesh_dim_names or [str(a) for a in range(mesh.ndim)])[axis]})"
 
 
 def _node_bytes(node: torch.fx.Node) -> int:
@@ -82,7 +97,6 @@ def _node_bytes(node: torch.fx.Node) -> int:
 
 def annotate_collectives(gm: torch.fx.GraphModule, mesh: DeviceMesh) -> list[dict]:
     """Give each collective node of ``gm`` a comment (op, mesh axis, bytes); return them as records."""
-    groups = _axis_of_group(mesh)
     records = []
     for node in gm.graph.nodes:
         if node.op != "call_function" or COLLECTIVE_NAMESPACE not in str(node.target):
@@ -91,9 +105,10 @@ def annotate_collectives(gm: torch.fx.GraphModule, mesh: DeviceMesh) -> list[dic
         if op == "wait_tensor":
             node.meta["cauto_comment"] = "wait for the collective above: first use of its result"
             continue
-        group = next((a for a in node.args if isinstance(a, str) and a in groups), None)
+        axis = next((a for a in (mesh_axis_of_group(mesh, x) for x in node.args if isinstance(x, str))
+                     if a is not None), None)
         nbytes = _node_bytes(node)
-        where = groups.get(group, f"group {group}")
+        where = _axis_label(mesh, axis) if axis is not None else "a group outside the mesh"
         node.meta["cauto_comment"] = f"COLLECTIVE {op} over {where}: {nbytes} bytes out"
         records.append({"op": op, "axis": where, "bytes": nbytes, "node": node.name})
     return records
@@ -254,7 +269,8 @@ class _AsReplicated(torch.autograd.Function):
 
 
 def bucket_gradient_reductions(gm: torch.fx.GraphModule, mesh: DeviceMesh, bucket_bytes: int,
-                               reduce_dtype: torch.dtype | None = None) -> list[tuple]:
+                               reduce_dtype: torch.dtype | None = None, plain: set[int] | frozenset = frozenset()
+                               ) -> tuple[list[tuple], list[tuple[int, int]]]:
     """Group the backward graph's gradient all-reduces (an all-reduce whose waited result is only returned)
     into buckets of at most ``bucket_bytes``, in the order the gradients appear: each bucket is one
     in-place all-reduce of the gradients concatenated into one flat buffer, issued where its last
@@ -264,12 +280,20 @@ def bucket_gradient_reductions(gm: torch.fx.GraphModule, mesh: DeviceMesh, bucke
     gradients that view it: a buffer kept across steps (DDP's) would add its bytes to the peak that
     the plan predicts. ``reduce_dtype`` (mixed precision's bf16 reduction): a floating bucket of another
     dtype is cast to it before the all-reduce and back after the wait (the concatenated buffer is freed
-    at the cast; the gradients view the cast-back buffer), as FSDP2's ``reduce_dtype``. Returns the
-    buckets as ``("all_reduce", mesh axis, bytes moved)``, in issue order."""
+    at the cast; the gradients view the cast-back buffer), as FSDP2's ``reduce_dtype``.
+
+    Two kinds of all-reduce end in a returned gradient: a plain parameter's data-parallel reduction
+    (``_AsReplicated``, argument positions ``plain``: the plan's ``grad_sync``), and the last collective of
+    a sharded parameter's redistribution backward (a weight stored S(0),R and read R,R by a batch-split
+    op: its P,P gradient is reduce-scattered over axis 0, then all-reduced over axis 1: a collective the
+    plan lists in ``backward``, under the edge). Both are bucketed alike; the second are reported apart.
+
+    Returns (the buckets as ``("all_reduce", mesh axis, bytes moved)``, in issue order; ``(mesh axis,
+    bytes)`` of each member that is a redistribution's backward, not a plain parameter's reduction)."""
     import operator
 
     aten, funcol = torch.ops.aten, torch.ops._c10d_functional
-    axis_of = {mesh.get_group(a).group_name: a for a in range(mesh.ndim)}
+    axis_of: dict[str, int | None] = {}
     output = gm.graph.output_node()
     members: dict[tuple, list[tuple[torch.fx.Node, torch.fx.Node]]] = {}
     for node in gm.graph.nodes:
@@ -280,11 +304,19 @@ def bucket_gradient_reductions(gm: torch.fx.GraphModule, mesh: DeviceMesh, bucke
             continue
         x, op, group = node.args
         if group not in axis_of:
+            axis_of[group] = mesh_axis_of_group(mesh, group)
+        if axis_of[group] is None:
             continue
         members.setdefault((group, op, x.meta["val"].dtype), []).append((node, wait))
     # Autograd runs the reductions last (their nodes were created first, at the program's entry); each
     # gradient is ready where its input is computed: buckets follow that order and are issued there.
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    # the backward graph returns one gradient per argument of the program, in argument order
+    argument = {x: i for i, x in enumerate(output.args[0]) if isinstance(x, torch.fx.Node)}
+    edge_members = [(axis_of[group], ar.args[0].meta["val"].numel()
+                     * torch.empty((), dtype=reduction_dtype(dtype, reduce_dtype)).element_size())
+                    for (group, _, dtype), pairs in members.items() for ar, wait in pairs
+                    if argument.get(wait) not in plain]
     buckets = []
     for (group, op, dtype), pairs in members.items():
         pairs.sort(key=lambda pair: position[pair[0].args[0]])
@@ -334,7 +366,7 @@ def bucket_gradient_reductions(gm: torch.fx.GraphModule, mesh: DeviceMesh, bucke
                 gm.graph.erase_node(ar)
             buckets.append(("all_reduce", axis_of[group], total * torch.empty((), dtype=moved).element_size()))
     gm.recompile()
-    return buckets
+    return buckets, edge_members
 
 
 class LocalProgram(torch.nn.Module):
@@ -367,6 +399,8 @@ class LocalProgram(torch.nn.Module):
         #: (Partial on data-parallel axes), and the backward graph's gradient buckets (op, mesh axis, bytes)
         self._grad_placements: dict[bool, dict[int, tuple]] = {True: {}, False: {}}
         self._grad_buckets: dict[bool, list[tuple]] = {True: [], False: []}
+        #: per variant: (mesh axis, bytes) of each redistribution-backward all-reduce inside those buckets
+        self._bucketed_edge_reductions: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
         self.bucket_bytes = bucket_bytes
         self.compile = compile
         self._lowered: dict[tuple, object] = {}
@@ -393,6 +427,13 @@ class LocalProgram(torch.nn.Module):
     def grad_buckets(self) -> list[tuple]:
         """The plain parameters' gradient all-reduces of the current variant's backward graph, bucketed."""
         return self._grad_buckets[self.reducing]
+
+    @property
+    def bucketed_edge_reductions(self) -> list[tuple[int, int]]:
+        """(mesh axis, bytes) of the current variant's bucketed all-reduces that end a sharded parameter's
+        redistribution backward (``bucket_gradient_reductions``): backward collectives of the plan that run
+        inside a gradient bucket."""
+        return self._bucketed_edge_reductions[self.reducing]
 
     def forward(self, *args):
         fn = self._lowered.get(self._key(args))
@@ -492,8 +533,8 @@ class LocalProgram(torch.nn.Module):
             def compiler(gm: torch.fx.GraphModule, example_inputs):
                 _drop_dead_ops(gm)
                 if kind == "backward" and not self.compile:  # (inductor buckets and reorders by itself)
-                    self._grad_buckets[reducing][:] = bucket_gradient_reductions(gm, self.mesh, self.bucket_bytes,
-                                                                                      self.reduce_dtype)
+                    self._grad_buckets[reducing][:], self._bucketed_edge_reductions[reducing][:] = \
+                        bucket_gradient_reductions(gm, self.mesh, self.bucket_bytes, self.reduce_dtype, self.plain)
                 records = annotate_collectives(gm, self.mesh)
                 if shown or kind == "inference":
                     self.collectives[kind] = records

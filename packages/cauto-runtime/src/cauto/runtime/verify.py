@@ -233,6 +233,20 @@ def count_step_collectives(module, args: tuple, kwargs: dict):
     return fwd, bwd, list(module.grad_sync.last_buckets), loss
 
 
+def bucketed_in_graph(module) -> tuple[int, list[tuple[int, int]]]:
+    """(gradient buckets the local program's backward graph all-reduces itself, (mesh axis, bytes) of the
+    plan's backward collectives among their members) for the variant now active (inside or outside
+    ``no_sync``); (0, []) on the DTensor interpreter and compiled (no buckets in the graph there).
+
+    A bucket is one all-reduce on the wire. A member that ends a sharded parameter's redistribution
+    backward is a collective the plan lists under ``backward`` (lowering.bucket_gradient_reductions):
+    verify counts it there, and out of the gradient synchronization's bytes."""
+    lowered = getattr(module, "lowered", None)
+    if lowered is None or lowered.compile:
+        return 0, []
+    return len(lowered.grad_buckets), list(lowered.bucketed_edge_reductions)
+
+
 def _micro_batch(module, i: int, accumulate: int):
     """The context of micro-batch ``i`` of an optimizer step: ``no_sync`` for all but the last."""
     return module.no_sync() if i < accumulate - 1 else contextlib.nullcontext()
@@ -256,12 +270,17 @@ def verify_step(module, inputs: tuple[tuple, dict], optimizer: torch.optim.Optim
     # memory first: a step counted under CommDebugMode leaves the next steps' allocations ~8% higher
     # on a checkpointed plan (measured), an effect of the debug mode, not of the plan
     peak = measured_peak_bytes(step, module, optimizer)
-    forward, backward = Counter(), Counter()
+    forward, backward, bucketed = Counter(), Counter(), 0
     for i in range(accumulate):
         with _micro_batch(module, i, accumulate):
             fwd, bwd, buckets, loss = count_step_collectives(module, args, kwargs)
+            in_graph, edges = bucketed_in_graph(module)
         forward += executed_counts(fwd)
-        backward += executed_counts(bwd)
+        # every bucket ran as one all-reduce: the synchronizing micro-batch reports all of them (the graph's
+        # and GradSync's), one under no_sync reports none though its graph's buckets ran
+        backward += executed_counts(bwd) - Counter({"all_reduce": len(buckets) or in_graph})
+        backward += Counter({"all_reduce": len(edges)})
+        bucketed += len(edges)
     optimizer.step()
     optimizer.zero_grad()
     plan = module.plan
@@ -273,11 +292,12 @@ def verify_step(module, inputs: tuple[tuple, dict], optimizer: torch.optim.Optim
     return {
         "accumulate": accumulate,
         "forward": {"predicted": per_step("forward"), "executed": dict(forward)},
-        "backward": {"predicted": per_step("backward"),
-                     "executed": dict(backward - Counter({"all_reduce": len(buckets)}))},
+        "backward": {"predicted": per_step("backward"), "executed": dict(backward),
+                     "in_gradient_buckets": bucketed},
         "grad_sync": {"predicted_collectives": len(predicted_sync),
                       "predicted_bytes": sum(c["bytes"] for c in predicted_sync),
-                      "executed_buckets": len(buckets), "executed_bytes": sum(b[2] for b in buckets)},
+                      "executed_buckets": len(buckets),
+                      "executed_bytes": sum(b[2] for b in buckets) - sum(nbytes for _, nbytes in edges)},
         "mismatches": {k: {"plan": v[0], "dtensor": v[1]} for k, v in module.executable.mismatches.items()},
         "hidden": module.executable.hidden,
         "peak_bytes": {"predicted": int(plan.predictions["peak_bytes"]), "measured": int(peak)},
@@ -294,6 +314,9 @@ def format_report(report: dict, rank: int = 0) -> str:
         for op in ops or ["-"]:
             p, e = report[phase]["predicted"].get(op, 0), report[phase]["executed"].get(op, 0)
             lines.append(f"  {phase:9s} {op:15s} predicted {p:4d}  executed {e:4d}  {'ok' if p == e else 'DIFF'}")
+        if report[phase].get("in_gradient_buckets"):
+            lines.append(f"  {phase:9s} ({report[phase]['in_gradient_buckets']} of its all_reduces ran inside "
+                         "gradient buckets)")
     gs = report["grad_sync"]
     lines.append(f"  grad_sync predicted {gs['predicted_collectives']} per-parameter collectives "
                  f"({gs['predicted_bytes'] / 2**20:.2f} MiB); executed {gs['executed_buckets']} buckets "
