@@ -89,7 +89,9 @@ def test_an_output_only_its_consumers_keep_is_freed_by_the_first_keepers_backwar
     ops = [n for n in nodes if n.kind == "op"]
     walk = _Walk(memory, chosen, {n.id: n for n in nodes}, ops, {n.id: i for i, n in enumerate(ops)})
     saved = _saved_bytes(walk, {}, set())
-    freed = _freed_by_backward(walk, _nesting(walk, (), saved), saved, {})
+    frees = _freed_by_backward(walk, _nesting(walk, (), saved), saved, {})
+    freed = frees.bytes
+    assert frees.escaping == []
     first, act, second, loss = [n.id for n in ops]
     assert saved[first] and saved[act] and saved[second]
     assert freed == {first: 0, act: saved[first], second: saved[act] + saved[second], loss: saved[loss]}

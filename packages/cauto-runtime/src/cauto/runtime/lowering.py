@@ -124,13 +124,33 @@ def _partition_with_regions(joint: torch.fx.GraphModule, joint_inputs, **kwargs)
     from cauto.runtime.ops import REGION_ANNOTATION
 
     regions: dict[str, int] = {}
+    region_of: dict[torch.fx.Node, str] = {}
     for node in joint.graph.nodes:
         region = (node.meta.get("custom") or {}).get(REGION_ANNOTATION)
         if region is not None and node.op == "call_function":
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             node.meta["ac_graph_id"] = regions.setdefault(region, len(regions))
+            region_of[node] = region
             _unseed(node)
+    # A region's output read by a forward op outside every region is saved, as torch.utils.checkpoint
+    # keeps what its function returns: recomputing it would rerun the whole region for that consumer's
+    # backward, ahead of the region's own (solver memory/walk.py counts it saved until that backward).
+    backward = _tangent_dependents(joint)
+    for node in region_of:
+        if any(user not in region_of and user not in backward and user.op == "call_function"
+               for user in node.users):
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
     return default_partition(joint, joint_inputs, **kwargs)
+
+
+def _tangent_dependents(joint: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """The joint graph's backward: every node that depends on a tangent input."""
+    out: set[torch.fx.Node] = set()
+    for node in joint.graph.nodes:
+        if (node.op == "placeholder" and node.name.startswith("tangents")) \
+                or any(arg in out for arg in node.all_input_nodes):
+            out.add(node)
+    return out
 
 
 def _drop_dead_ops(gm: torch.fx.GraphModule) -> None:

@@ -9,8 +9,9 @@ runs the plan (runtime apply.py ``_lowering_for_regions``):
   backward graph from what backward reads: a region op, redistributions included, runs again only if
   some op's backward reads its result, or if recomputing such a result needs it (transitively); the
   rest is dead code and dropped. What a region reads from outside (its inputs, the outputs of an
-  earlier region) is saved, not recomputed; so is a redistribution outside every region (its
-  collective is saved). Example: the tensor-parallel all-gather before a residual ``add`` that closes
+  earlier region) is saved, not recomputed; so is a region's output that an op outside every region
+  reads (the partition saves it, as checkpoint keeps what its function returns), and a
+  redistribution outside every region (its collective is saved). Example: the tensor-parallel all-gather before a residual ``add`` that closes
   a region does not run again: ``add``'s backward reads no input, and the next layer norm saves its
   own gathered copy.
 * The DTensor interpreter (plans with nested regions, which the local program would recompute once
@@ -70,6 +71,12 @@ def _reads(op: str, n_inputs: int) -> dict[int, tuple[int, ...]]:
     return rule if rule is not None else {i: tuple(range(n_inputs)) for i in range(n_inputs)}
 
 
+def backward_reads(op: str, n_inputs: int) -> dict[int, tuple[int, ...]]:
+    """Input index -> the inputs (and ``OUTPUT``) the backward of ``op`` reads for that input's gradient
+    (``BACKWARD_READS``; without a row: every input for every gradient)."""
+    return _reads(op, n_inputs)
+
+
 def read_inputs(op: str, input_grads: list[bool]) -> set[int] | None:
     """The inputs the backward of ``op`` reads when input ``i`` needs a gradient where ``input_grads[i]``
     (``BACKWARD_READS``; its own output left out), or None when the table has no row for ``op``."""
@@ -126,9 +133,10 @@ def recomputed_inputs(graph_doc: dict, regions: list[dict], redistributed: set[t
             src = split_ref(ref)[0]
             if (n["id"], j) in redistributed and n["id"] not in region_of:
                 continue  # the redistribution's copy is read, and saved
-            # an output of a region op is recomputed for a reader in its region or outside every region
-            # (an earlier region's output that a later region reads is saved: the partition's rule)
-            if src in region_of and region_of.get(n["id"], region_of[src]) == region_of[src]:
+            # an output of a region op is recomputed for a reader in its region only: an earlier region's
+            # output that a later region reads is saved (the partition's rule), and so is one an op
+            # outside every region reads (runtime lowering.py: checkpoint keeps what its function returns)
+            if src in region_of and region_of.get(n["id"]) == region_of[src]:
                 needed.add(src)
     return again
 

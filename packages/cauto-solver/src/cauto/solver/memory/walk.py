@@ -14,7 +14,9 @@ saved once its backward ran):
   backward, the copy a consumer saves of an activation it took through a redistribution, the copy
   a reshape makes where a redistribution changed its input's layout, parameters gathered for use);
   a region keeps only its inputs (its checkpoint
-  holds them until its backward); inside a region a node's saved bytes live only while it runs.
+  holds them until its backward) and its outputs that an op outside every region keeps (checkpoint
+  keeps what its function returns; the local program's partition saves them, runtime lowering.py);
+  inside a region a node's saved bytes live only while it runs.
 * Backward, node ``n`` in reverse order: state + the saved bytes of every earlier node whose
   innermost region (if any) contains ``n`` (outside regions: saved since forward; inside:
   recomputed when backward entered the region) + the held inputs of regions not yet done (a nested
@@ -23,10 +25,16 @@ saved once its backward ran):
   hands over, chunked state, only from its last consumer's backward to its first's) + gradients
   of activations waiting for their producer's backward (created by the last consumer's backward) +
   what ``n``'s backward allocates: gradients of its outputs and inputs, and its transient bytes.
-  Outside regions an output kept only for its consumers (its producer's backward does not read it:
+  An output kept only for its consumers (its producer's backward does not read it:
   checkpoint/recompute.py ``reads_output``) is freed by the backward of the first of them in forward
   order that saves it, directly or through views, not by its producer's (``_freed_by_backward``):
-  autograd frees a value once every node that saved it ran its backward. Activation gradients are
+  autograd frees a value once every node that saved it ran its backward. Inside a region this holds
+  among the ops of its innermost region (not for nested regions, which keep the producer's rule); a
+  region output that only later regions keep is their checkpoint's input, not recomputed. The input
+  gradients of ``n``'s backward are computed one input at a time, the last input's first, and a value
+  ``n`` is the last keeper of is freed once no gradient still to come reads it (a linear's input
+  after its weight's gradient: ``_input_gradients_peak``); an ``add``'s input gradient is its output's
+  gradient itself and allocates nothing. Activation gradients are
   counted for real floating values only (``cauto.plan.dtypes.is_floating``); a complex activation's
   gradient, which the ILP's ``tensor_requires_grad`` (``has_gradient``) does count, is not.
 * After ``n``'s backward, for an input it took through a redistribution: the redistribution's
@@ -53,7 +61,7 @@ from cauto.plan import split_ref
 from cauto.plan.dtypes import is_floating
 from cauto.plan.precision import bytes_as
 from cauto.solver.checkpoint.linearize import VIEW_OPS, op_name
-from cauto.solver.checkpoint.recompute import read_inputs, reads_input, reads_output
+from cauto.solver.checkpoint.recompute import backward_reads, read_inputs, reads_input, reads_output
 from cauto.solver.cost.reshard import backward_target, gather_staging_copies, retained_bytes, staging_copies
 from cauto.solver.memory.layout import needs_gradient
 from cauto.solver.memory.model import (
@@ -76,11 +84,11 @@ def predicted_points(memory: MemoryModel, nodes: list, chosen: dict[str, Strateg
     saved = _saved_bytes(walk, moved, direct)
     nesting = _nesting(walk, regions, saved)
     state = memory.predict(nodes, chosen)[1] + _pinned_by_recompute(walk, nesting)
-    points = _forward_points(walk, nesting, saved, state)
     if not memory.train or not ops:
-        return points
+        return _forward_points(walk, nesting, saved, state, [])
     freed = _freed_by_backward(walk, nesting, saved, moved)
-    points += _backward_points(walk, nesting, saved, freed, state, _copies_freed_by(walk, moved))
+    points = _forward_points(walk, nesting, saved, state, freed.escaping)
+    points += _backward_points(walk, nesting, freed, state, _copies_freed_by(walk, moved))
     computed, stored_all, synced = memory.gradient_bytes(nodes, chosen, walk.by_id)
     points.append(("grad_sync", None, state + computed + synced))
     points.append(("optimizer", None, state + stored_all + memory.optimizer_extra_bytes(nodes, chosen)))
@@ -167,16 +175,78 @@ def _saved_bytes(walk: _Walk, moved: dict, direct: set) -> dict[str, int]:
     return saved
 
 
-def _freed_by_backward(walk: _Walk, nesting: _Nesting, saved: dict[str, int], moved: dict) -> dict[str, int]:
-    """op id -> the saved bytes that its backward frees (outside regions; module doc: Backward): its own,
-    less each output that only its consumers keep, plus such outputs of which it is the first keeper
-    in forward order (autograd frees a value when every node that saved it has run its backward; the
-    producer's own backward reads it only when ``reads_output``). A keeper is a consumer that saves the
-    value (``saves_input``; an op without a ``BACKWARD_READS`` row is taken to), directly or through
-    views of it (view ops; ``broadcast_tensors``' outputs view its inputs). Outputs taken through a
-    redistribution, ops in regions and their keepers keep the producer's rule."""
-    memory, chosen, by_id, order = walk.memory, walk.chosen, walk.by_id, walk.order
+@dataclass(frozen=True)
+class _Freed:
+    """What each op's backward frees (``_freed_by_backward``): bytes per op id; the regions' escaping
+    outputs as (bytes, producer's position, position of the backward that frees them); and per op id,
+    the bytes it frees per input index once its backward no longer reads that input."""
+
+    bytes: dict[str, int]
+    escaping: list[tuple[int, int, int]]
+    released: dict[str, dict[int, int]]
+
+
+def _freed_by_backward(walk: _Walk, nesting: _Nesting, saved: dict[str, int], moved: dict) -> _Freed:
+    """op id -> the saved bytes that its backward frees (module doc: Backward): its own, less each
+    output that only its consumers keep, plus such outputs of which it is the first keeper in forward
+    order (autograd frees a value when every node that saved it has run its backward; the producer's
+    own backward reads it only when ``reads_output``). A keeper is a consumer that saves the value
+    (``saves_input``; an op without a ``BACKWARD_READS`` row is taken to), directly or through views
+    of it (view ops; ``broadcast_tensors``' outputs view its inputs). Outputs taken through a
+    redistribution keep the producer's rule. Inside a region the same rule holds among the ops of its
+    innermost region (their recomputed values are freed as outside regions); a region's output that
+    an op outside every region keeps is saved from forward, as checkpoint keeps what its function
+    returns, and leaves the region's recomputation (``_Freed``)."""
+    memory, chosen, order = walk.memory, walk.chosen, walk.order
     freed = dict(saved)
+    escaping: list[tuple[int, int, int]] = []
+    released: dict[str, dict[int, int]] = {}
+    nested = any(parent is not None for parent in nesting.parent.values())
+    keepers = _keepers(walk)
+    for p in walk.ops:
+        region = nesting.innermost.get(p.id)
+        own_read = reads_output(p.op or "")
+        if region is None and own_read:
+            continue
+        _, outputs, _ = memory.saved_parts(p, chosen[p.id])
+        for o, b in enumerate(outputs):
+            ref = f"{p.id}#{o}"
+            pairs = keepers(ref)
+            if not b or ref in moved or not pairs:
+                continue
+            held = {h for h, _ in pairs}
+            first = min(held, key=order.__getitem__)
+            if region is None:
+                if any(h in nesting.innermost for h in held):
+                    continue
+                freed[p.id] -= b
+                freed[first] += b
+                _release(released, first, pairs, b)
+            elif not nested and any(h not in nesting.innermost for h in held):
+                at = order[p.id] if own_read else order[first]
+                escaping.append((b, order[p.id], at))
+                freed[p.id] -= b
+            elif not nested and not own_read and all(nesting.innermost.get(h) == region for h in held):
+                freed[p.id] -= b
+                freed[first] += b
+                _release(released, first, pairs, b)
+            elif not nested and not own_read and all(nesting.innermost.get(h) != region for h in held):
+                freed[p.id] -= b  # later regions' inputs: saved, held by their checkpoints, not recomputed
+    return _Freed(freed, escaping, released)
+
+
+def _release(released: dict[str, dict[int, int]], first: str, pairs: set[tuple[str, int]], b: int) -> None:
+    """Record that ``first``'s backward frees ``b`` bytes it took at one input (the last keeper to run)."""
+    ks = sorted(k for h, k in pairs if h == first)
+    if len(ks) == 1:
+        released.setdefault(first, {})
+        released[first][ks[0]] = released[first].get(ks[0], 0) + b
+
+
+def _keepers(walk: _Walk):
+    """ref -> the ops that save it, directly or through views, with the input they take it at (None:
+    a consumer outside the walk)."""
+    by_id, order = walk.by_id, walk.order
     consumers: dict[str, list[tuple[object, int]]] = {}
     grads: dict[str, bool] = {}
     for n in by_id.values():
@@ -185,8 +255,8 @@ def _freed_by_backward(walk: _Walk, nesting: _Nesting, saved: dict[str, int], mo
             src_id, o = split_ref(ref)
             consumers.setdefault(f"{src_id}#{o}", []).append((n, k))
 
-    def keepers(ref: str, depth: int = 0) -> set[str] | None:
-        out: set[str] = set()
+    def keepers(ref: str, depth: int = 0) -> set[tuple[str, int]] | None:
+        out: set[tuple[str, int]] = set()
         for c, k in consumers.get(ref, []):
             if c.id not in order or depth > 32:
                 return None
@@ -199,22 +269,10 @@ def _freed_by_backward(walk: _Walk, nesting: _Nesting, saved: dict[str, int], mo
                         return None
                     out |= inner
             elif saves_input(c, k, grads) or read_inputs(c.op or "", []) is None:
-                out.add(c.id)
+                out.add((c.id, k))
         return out
 
-    for p in walk.ops:
-        if p.id in nesting.innermost or reads_output(p.op or ""):
-            continue
-        _, outputs, _ = memory.saved_parts(p, chosen[p.id])
-        for o, b in enumerate(outputs):
-            ref = f"{p.id}#{o}"
-            held = keepers(ref)
-            if not b or ref in moved or not held or any(h in nesting.innermost for h in held):
-                continue
-            first = min(held, key=order.__getitem__)
-            freed[p.id] -= b
-            freed[first] += b
-    return freed
+    return keepers
 
 
 def _copies_freed_by(walk: _Walk, moved: dict) -> dict[str, int]:
@@ -260,25 +318,29 @@ def _nesting(walk: _Walk, regions: list[dict] | tuple, saved: dict[str, int]) ->
                 if src is None or src.kind not in ("op", "input") or src_id in members[i] or ref in seen:
                     continue
                 seen.add(ref)
-                if src.kind == "op" and innermost.get(src_id) == parent[i] \
-                        and saved.get(src_id, 0) >= src.outputs[o].bytes:
-                    continue  # its producer keeps it anyway
+                if src.kind == "op" and src_id in walk.chosen and innermost.get(src_id) == parent[i] \
+                        and saved.get(src_id, 0) >= walk.dev_bytes(src, o, output_placement(walk.chosen, src, o)):
+                    continue  # its producer keeps it anyway (per device, as saved counts)
                 if src.kind == "op" and src_id in walk.chosen:
                     total += walk.dev_bytes(src, o, output_placement(walk.chosen, src, o))
         held[i] = total
     return _Nesting(members, innermost, parent, top, span, held)
 
 
-def _forward_points(walk: _Walk, nesting: _Nesting, saved: dict[str, int],
-                    state: int) -> list[tuple[str, str | None, int]]:
-    """One point per op in forward order (module doc: Forward)."""
+def _forward_points(walk: _Walk, nesting: _Nesting, saved: dict[str, int], state: int,
+                    escaping: list[tuple[int, int, int]]) -> list[tuple[str, str | None, int]]:
+    """One point per op in forward order (module doc: Forward; a region's escaping outputs stay)."""
     points: list[tuple[str, str | None, int]] = []
     outside = 0
+    kept_at = [0] * len(walk.ops)
+    for b, made, _ in escaping:
+        kept_at[made] += b
     for t, n in enumerate(walk.ops):
         s = walk.chosen[n.id]
         inputs_held = sum(nesting.held[i] for i in nesting.top if nesting.span[i][0] <= t)
         if n.id in nesting.innermost:
             live = outside + inputs_held + saved[n.id]
+            outside += kept_at[t]
         else:
             outside += saved[n.id]
             live = outside + inputs_held
@@ -320,18 +382,21 @@ def _param_grads_from(walk: _Walk) -> tuple[dict[int, int], list[int]]:
     return grads_from, handed_over
 
 
-def _saved_prefix_sums(walk: _Walk, nesting: _Nesting, saved: dict[str, int],
-                       freed: dict[str, int]) -> dict[int | None, list[int]]:
+def _saved_prefix_sums(walk: _Walk, nesting: _Nesting, freed: dict[str, int],
+                       escaping: list[tuple[int, int, int]]) -> dict[int | None, list[int]]:
     """Saved bytes still live at each position's backward: outside every region (key None; what the
-    backward of each op up to there frees, ``_freed_by_backward``) and per innermost region (what
-    each op up to there saved)."""
+    backward of each op up to there frees, ``_freed_by_backward``, and regions' escaping outputs) and
+    per innermost region (the same, of its recomputed values)."""
     ops = walk.ops
     saved_upto: dict[int | None, list[int]] = {None: [0] * len(ops),
                                                **{i: [0] * len(ops) for i in range(len(nesting.members))}}
+    escaped_at = [0] * len(ops)
+    for b, _, at in escaping:
+        escaped_at[at] += b
     for t, n in enumerate(ops):
         for key, sums in saved_upto.items():
             here = nesting.innermost.get(n.id) == key
-            sums[t] = (sums[t - 1] if t else 0) + ((freed if key is None else saved)[n.id] if here else 0)
+            sums[t] = (sums[t - 1] if t else 0) + (freed[n.id] if here else 0) + (escaped_at[t] if key is None else 0)
     return saved_upto
 
 
@@ -360,14 +425,15 @@ def _waiting_grads(walk: _Walk) -> list[int]:
     return pending
 
 
-def _backward_points(walk: _Walk, nesting: _Nesting, saved: dict[str, int], freed: dict[str, int], state: int,
+def _backward_points(walk: _Walk, nesting: _Nesting, frees: _Freed, state: int,
                      copy_freed_by: dict[str, int]) -> list[tuple[str, str | None, int]]:
     """One point per op in reverse order, and a second after its backward where an input came
     through a redistribution (module doc: Backward, and the redistribution's backward)."""
     memory, chosen, by_id, ops = walk.memory, walk.chosen, walk.by_id, walk.ops
     members, parent, span, held = nesting.members, nesting.parent, nesting.span, nesting.held
     grads_from, handed_over = _param_grads_from(walk)
-    saved_upto = _saved_prefix_sums(walk, nesting, saved, freed)
+    freed = frees.bytes
+    saved_upto = _saved_prefix_sums(walk, nesting, freed, frees.escaping)
     pending = _waiting_grads(walk)
     points: list[tuple[str, str | None, int]] = []
     grads = 0
@@ -382,13 +448,18 @@ def _backward_points(walk: _Walk, nesting: _Nesting, saved: dict[str, int], free
         out_grads = sum(walk.dev_bytes(n, o, s.outputs[o]) for o in range(min(len(n.outputs), len(s.outputs)))
                         if is_floating(n.outputs[o].dtype))
         in_grads, staged = 0, 0
+        grad_bytes: dict[int, int] = {}
         for k, ref in enumerate(n.inputs):
             src_id, o = split_ref(ref)
             src = by_id.get(src_id)
+            if src is not None and src.kind == "param" and k < len(s.input_grads):
+                grad_bytes.setdefault(k, 0)  # counted with the parameter gradients; orders the release
             if src is not None and src.kind == "op" and k < len(s.input_grads) \
                     and is_floating(src.outputs[o].dtype):
                 grad = walk.dev_bytes(src, o, s.input_grads[k])
-                in_grads += grad
+                if not _passes_gradient_through(n, s, k, src, o):
+                    in_grads += grad
+                    grad_bytes[k] = grad
                 if k < len(s.inputs) and output_placement(walk.chosen, src, o) != s.inputs[k]:
                     target = backward_target(s.input_grads[k], output_placement(walk.chosen, src, o))
                     staged = max(staged, grad * staging_copies(s.input_grads[k], target, memory.mesh_shape),
@@ -396,7 +467,8 @@ def _backward_points(walk: _Walk, nesting: _Nesting, saved: dict[str, int], free
         grads += pending[t]
         scratch = max(memory.transient_bytes(n, s), memory.backward_workspace_bytes(n),
                       _regathered_bytes(walk, nesting, n))
-        here = state + live + grads + handed_over[t] + out_grads + in_grads + scratch
+        here = state + live + grads + handed_over[t] + out_grads + scratch \
+            + _input_gradients_peak(n, grad_bytes, frees.released.get(n.id, {}))
         if not members:  # at least what the calibrated model says (model.py: all saved + n's backward extra)
             here = max(here, state + saved_upto[None][-1] + memory.backward_extra_beside_workspace(n, s))
         points.append(("backward", n.id, here))
@@ -405,6 +477,41 @@ def _backward_points(walk: _Walk, nesting: _Nesting, saved: dict[str, int], free
                            + staged))
         grads -= pending[t]
     return points
+
+
+def _input_gradients_peak(n, grad_bytes: dict[int, int], released: dict[int, int]) -> int:
+    """The most bytes ``n``'s input gradients hold at once during its backward, which computes them one
+    input at a time, the last input's first (as autograd's formulas for ``mm`` and ``mul`` run in the
+    local program: a linear's weight gradient before its input's): an input that no gradient still to
+    come reads, and whose value ``n``'s backward frees (it is its last keeper), is freed before the
+    next (the local program drops a value at its last use). ``grad_bytes``: input index -> bytes of
+    its gradient counted here (0 for a parameter's, counted apart). Ops without a ``BACKWARD_READS``
+    row free nothing early."""
+    activation = sum(grad_bytes.values())
+    if len(grad_bytes) < 2 or not released:
+        return activation
+    reads = backward_reads(n.op or "", len(n.inputs))
+    order = sorted(grad_bytes, reverse=True)
+    live, peak, left = 0, 0, dict(released)
+    for i, k in enumerate(order):
+        live += grad_bytes[k]
+        peak = max(peak, live)
+        later = {j for r in order[i + 1:] for j in reads.get(r, ())}
+        for j in [j for j in left if j in reads.get(k, ()) and j not in later]:
+            live -= left.pop(j)
+    return peak
+
+
+def _passes_gradient_through(n, s: Strategy, k: int, src, o: int) -> bool:
+    """Whether input ``k``'s gradient is the output's gradient itself, allocating nothing: an ``add``
+    (or a ``sub``'s first input) of the output's shape, dtype and placement (autograd's AddBackward
+    hands the same tensor on; the lowered backward has no op there)."""
+    name = op_name(n.op or "")
+    if name not in ("add", "sub") or (name == "sub" and k != 0) or not n.outputs or not s.outputs:
+        return False
+    meta = src.outputs[o]
+    return meta.shape == n.outputs[0].shape and meta.dtype == n.outputs[0].dtype \
+        and s.input_grads[k] == s.outputs[0]
 
 
 def _regathered_bytes(walk: _Walk, nesting: _Nesting, n) -> int:
