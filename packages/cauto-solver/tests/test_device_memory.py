@@ -96,3 +96,24 @@ def test_an_output_only_its_consumers_keep_is_freed_by_the_first_keepers_backwar
     assert saved[first] and saved[act] and saved[second]
     assert freed == {first: 0, act: saved[first], second: saved[act] + saved[second], loss: saved[loss]}
     assert sum(freed.values()) == sum(saved.values())
+
+
+def test_input_gradients_free_an_input_once_no_later_gradient_reads_it():
+    """A node's backward computes its input gradients one at a time, the last input's first (a linear's
+    weight gradient before its input's, as the local program runs it): an input the node is the last
+    keeper of is freed once no gradient still to come reads it. Measured on the zoo Llama's checkpointed
+    MLP (integration_tests/test_memory_prediction.py, llama-2x2-regions)."""
+    from types import SimpleNamespace
+
+    from cauto.solver.memory.walk import _input_gradients_peak
+
+    mul = SimpleNamespace(op="aten.mul.Tensor", inputs=["a#0", "b#0"])
+    # each gradient reads the other input: after the second input's gradient, the first input is free
+    assert _input_gradients_peak(mul, {0: 100, 1: 100}, {0: 100, 1: 100}) == 100
+    assert _input_gradients_peak(mul, {0: 100, 1: 100}, {}) == 200  # nothing freed early: both at once
+    linear = SimpleNamespace(op="aten.linear.default", inputs=["x#0", "w"])
+    # the weight's gradient (counted with the parameters: 0 here) reads the input, which is then freed
+    # before the input's gradient is made
+    assert _input_gradients_peak(linear, {0: 100, 1: 0}, {0: 60}) == 40
+    unknown = SimpleNamespace(op="aten.my_op.default", inputs=["a#0", "b#0"])
+    assert _input_gradients_peak(unknown, {0: 100, 1: 100}, {0: 100}) == 200  # no row: every gradient reads all

@@ -195,14 +195,15 @@ def _freed_by_backward(walk: _Walk, nesting: _Nesting, saved: dict[str, int], mo
     of it (view ops; ``broadcast_tensors``' outputs view its inputs). Outputs taken through a
     redistribution keep the producer's rule. Inside a region the same rule holds among the ops of its
     innermost region (their recomputed values are freed as outside regions); a region's output that
-    an op outside every region keeps is saved from forward, as checkpoint keeps what its function
-    returns, and leaves the region's recomputation (``_Freed``)."""
+    a forward op outside every region reads, and backward needs, is saved from forward (as checkpoint
+    keeps what its function returns; the runtime's partition saves it) until its first keeper's
+    backward, and leaves the region's recomputation (``_Freed``)."""
     memory, chosen, order = walk.memory, walk.chosen, walk.order
     freed = dict(saved)
     escaping: list[tuple[int, int, int]] = []
     released: dict[str, dict[int, int]] = {}
     nested = any(parent is not None for parent in nesting.parent.values())
-    keepers = _keepers(walk)
+    keepers, consumers = _keepers(walk)
     for p in walk.ops:
         region = nesting.innermost.get(p.id)
         own_read = reads_output(p.op or "")
@@ -212,20 +213,22 @@ def _freed_by_backward(walk: _Walk, nesting: _Nesting, saved: dict[str, int], mo
         for o, b in enumerate(outputs):
             ref = f"{p.id}#{o}"
             pairs = keepers(ref)
-            if not b or ref in moved or not pairs:
+            if not b or ref in moved or pairs is None or not (pairs or own_read):
                 continue
             held = {h for h, _ in pairs}
-            first = min(held, key=order.__getitem__)
+            first = min(held | ({p.id} if own_read else set()), key=order.__getitem__)
             if region is None:
-                if any(h in nesting.innermost for h in held):
+                if not held or any(h in nesting.innermost for h in held):
                     continue
                 freed[p.id] -= b
                 freed[first] += b
                 _release(released, first, pairs, b)
-            elif not nested and any(h not in nesting.innermost for h in held):
-                at = order[p.id] if own_read else order[first]
-                escaping.append((b, order[p.id], at))
+            elif not nested and any(c.id not in nesting.innermost for c, _ in consumers.get(ref, [])):
+                # read by a forward op outside every region: the partition saves it (runtime lowering.py)
+                escaping.append((b, order[p.id], order[first]))
                 freed[p.id] -= b
+            elif not held:
+                continue
             elif not nested and not own_read and all(nesting.innermost.get(h) == region for h in held):
                 freed[p.id] -= b
                 freed[first] += b
@@ -245,7 +248,7 @@ def _release(released: dict[str, dict[int, int]], first: str, pairs: set[tuple[s
 
 def _keepers(walk: _Walk):
     """ref -> the ops that save it, directly or through views, with the input they take it at (None:
-    a consumer outside the walk)."""
+    a consumer outside the walk); and the consumers of each ref, with the input they take it at."""
     by_id, order = walk.by_id, walk.order
     consumers: dict[str, list[tuple[object, int]]] = {}
     grads: dict[str, bool] = {}
@@ -272,7 +275,7 @@ def _keepers(walk: _Walk):
                 out.add((c.id, k))
         return out
 
-    return keepers
+    return keepers, consumers
 
 
 def _copies_freed_by(walk: _Walk, moved: dict) -> dict[str, int]:
