@@ -11,8 +11,8 @@ runs the plan (runtime apply.py ``_lowering_for_regions``):
   rest is dead code and dropped. What a region reads from outside (its inputs, the outputs of an
   earlier region) is saved, not recomputed; so is a region's output that an op outside every region
   reads (the partition saves it, as checkpoint keeps what its function returns), and a
-  redistribution outside every region (its collective is saved). Example: the tensor-parallel all-gather before a residual ``add`` that closes
-  a region does not run again: ``add``'s backward reads no input, and the next layer norm saves its
+  redistribution outside every region (its collective is saved). Example: the tensor-parallel
+  all-gather before a residual ``add`` that closes a region does not run again: ``add``'s backward reads no input, and the next layer norm saves its
   own gathered copy.
 * The DTensor interpreter (plans with nested regions, which the local program would recompute once
   where nested ``torch.utils.checkpoint`` recomputes once per level, and plans with chunked state,
@@ -66,15 +66,11 @@ def _row(op: str) -> dict[int, tuple[int, ...]] | None:
     return BACKWARD_READS.get(op_name(op))
 
 
-def _reads(op: str, n_inputs: int) -> dict[int, tuple[int, ...]]:
-    rule = _row(op)
-    return rule if rule is not None else {i: tuple(range(n_inputs)) for i in range(n_inputs)}
-
-
 def backward_reads(op: str, n_inputs: int) -> dict[int, tuple[int, ...]]:
     """Input index -> the inputs (and ``OUTPUT``) the backward of ``op`` reads for that input's gradient
     (``BACKWARD_READS``; without a row: every input for every gradient)."""
-    return _reads(op, n_inputs)
+    rule = _row(op)
+    return rule if rule is not None else {i: tuple(range(n_inputs)) for i in range(n_inputs)}
 
 
 def read_inputs(op: str, input_grads: list[bool]) -> set[int] | None:
@@ -95,7 +91,7 @@ def reads_output(op: str) -> bool:
 
 def reads_input(op: str, n_inputs: int, k: int) -> bool:
     """Whether the backward of ``op`` reads its input ``k`` for some input's gradient (``BACKWARD_READS``)."""
-    return any(k in read for read in _reads(op, n_inputs).values())
+    return any(k in read for read in backward_reads(op, n_inputs).values())
 
 
 def region_depths(regions: list[dict]) -> Counter:
@@ -106,7 +102,8 @@ def region_depths(regions: list[dict]) -> Counter:
     return depth
 
 
-def recomputed_inputs(graph_doc: dict, regions: list[dict], redistributed: set[tuple[str, int]]) -> set[tuple[str, int]]:
+def recomputed_inputs(graph_doc: dict, regions: list[dict],
+                      redistributed: set[tuple[str, int]]) -> set[tuple[str, int]]:
     """(op id, input index) of the inputs of region ops that the local program's backward computes
     again (module docstring): those of the region ops it recomputes, and those a region op's backward
     reads (a redistribution there runs again). ``redistributed``: the (op id, input index) that take
@@ -117,13 +114,13 @@ def recomputed_inputs(graph_doc: dict, regions: list[dict], redistributed: set[t
     ops = [n for n in nodes if n["kind"] == "op"]
     needed: set[str] = set()  # region ops whose output backward needs: recomputed
     for n in ops:
-        reads = _reads(n["op"], len(n["inputs"]))
+        reads = backward_reads(n["op"], len(n["inputs"]))
         if n["id"] in region_of and any(OUTPUT in reads.get(i, ()) for i, ref in enumerate(n["inputs"])
                                         if grad.get(split_ref(ref)[0])):
             needed.add(n["id"])
     again: set[tuple[str, int]] = set()
     for n in reversed(ops):  # every consumer of an output before its producer
-        reads = _reads(n["op"], len(n["inputs"]))
+        reads = backward_reads(n["op"], len(n["inputs"]))
         read = {j for i, ref in enumerate(n["inputs"]) if grad.get(split_ref(ref)[0]) for j in reads.get(i, ())}
         for j, ref in enumerate(n["inputs"]):
             if n["id"] not in needed and j not in read:

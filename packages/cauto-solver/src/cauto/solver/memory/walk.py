@@ -47,8 +47,8 @@ saved once its backward ran):
 
 For a plan without regions each op's backward point is also at least the calibrated model's for it
 (everything saved + the op's calibrated backward extra, which the calibration took against the saved
-bytes as the profile held them: model.py ``KEEPS_ONLY_INPUTS``), so the prediction is the larger of the two models; the ILP's own memory rows
-stay the linear model, and ``solve`` re-solves with a lowered limit where the prediction lands over
+bytes as the profile held them: model.py ``KEEPS_ONLY_INPUTS``), so the prediction is the larger of
+the two models; the ILP's own memory rows stay the linear model, and ``solve`` re-solves with a lowered limit where the prediction lands over
 the budget. One judge for every plan keeps ``checkpoint=auto`` honest: a plain and a checkpointed
 plan are measured by the same walk.
 """
@@ -207,8 +207,8 @@ def _freed_by_backward(walk: _Walk, nesting: _Nesting, saved: dict[str, int], mo
     for p in walk.ops:
         region = nesting.innermost.get(p.id)
         own_read = reads_output(p.op or "")
-        if region is None and own_read:
-            continue
+        if (region is None and own_read) or (region is not None and nested):
+            continue  # nested regions keep each op's own rule (module doc: Backward)
         _, outputs, _ = memory.saved_parts(p, chosen[p.id])
         for o, b in enumerate(outputs):
             ref = f"{p.id}#{o}"
@@ -223,17 +223,17 @@ def _freed_by_backward(walk: _Walk, nesting: _Nesting, saved: dict[str, int], mo
                 freed[p.id] -= b
                 freed[first] += b
                 _release(released, first, pairs, b)
-            elif not nested and any(c.id not in nesting.innermost for c, _ in consumers.get(ref, [])):
+            elif any(c.id not in nesting.innermost for c, _ in consumers.get(ref, [])):
                 # read by a forward op outside every region: the partition saves it (runtime lowering.py)
                 escaping.append((b, order[p.id], order[first]))
                 freed[p.id] -= b
-            elif not held:
+            elif not held or own_read:
                 continue
-            elif not nested and not own_read and all(nesting.innermost.get(h) == region for h in held):
+            elif all(nesting.innermost.get(h) == region for h in held):
                 freed[p.id] -= b
                 freed[first] += b
                 _release(released, first, pairs, b)
-            elif not nested and not own_read and all(nesting.innermost.get(h) != region for h in held):
+            elif all(nesting.innermost.get(h) != region for h in held):
                 freed[p.id] -= b  # later regions' inputs: saved, held by their checkpoints, not recomputed
     return _Freed(freed, escaping, released)
 
@@ -450,7 +450,7 @@ def _backward_points(walk: _Walk, nesting: _Nesting, frees: _Freed, state: int,
         grads += grads_from.get(t, 0)
         out_grads = sum(walk.dev_bytes(n, o, s.outputs[o]) for o in range(min(len(n.outputs), len(s.outputs)))
                         if is_floating(n.outputs[o].dtype))
-        in_grads, staged = 0, 0
+        staged = 0
         grad_bytes: dict[int, int] = {}
         for k, ref in enumerate(n.inputs):
             src_id, o = split_ref(ref)
@@ -461,7 +461,6 @@ def _backward_points(walk: _Walk, nesting: _Nesting, frees: _Freed, state: int,
                     and is_floating(src.outputs[o].dtype):
                 grad = walk.dev_bytes(src, o, s.input_grads[k])
                 if not _passes_gradient_through(n, s, k, src, o):
-                    in_grads += grad
                     grad_bytes[k] = grad
                 if k < len(s.inputs) and output_placement(walk.chosen, src, o) != s.inputs[k]:
                     target = backward_target(s.input_grads[k], output_placement(walk.chosen, src, o))
@@ -476,8 +475,8 @@ def _backward_points(walk: _Walk, nesting: _Nesting, frees: _Freed, state: int,
             here = max(here, state + saved_upto[None][-1] + memory.backward_extra_beside_workspace(n, s))
         points.append(("backward", n.id, here))
         if staged:  # after n's backward freed its saved tensors and its outputs' gradients
-            points.append(("backward", n.id, state + live - freed[n.id] - copy_freed_by.get(n.id, 0) + grads + in_grads
-                           + staged))
+            points.append(("backward", n.id, state + live - freed[n.id] - copy_freed_by.get(n.id, 0) + grads
+                           + sum(grad_bytes.values()) + staged))
         grads -= pending[t]
     return points
 
