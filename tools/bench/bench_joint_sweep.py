@@ -1,6 +1,8 @@
-"""The joint search (sharding + checkpointing, ``--checkpoint auto``) over a falling budget (issue 22 point 2).
+"""The search over a falling budget (issue 22 point 2): the joint search (sharding + checkpointing,
+``--checkpoint auto``, the default) or the sharding-only search (``--checkpoint none``).
 
-    python tools/bench/bench_joint_sweep.py [--ratio 0.95] [--models gpt,llama,mistral] [--write]
+    python tools/bench/bench_joint_sweep.py [--ratio 0.95] [--models gpt,llama,mistral] [--checkpoint auto|none]
+        [--write]
 
 For each model (profiled on fake tensors: the zoo GPT on mesh 4, the zoo Llama on 2x2, a Mistral-style
 HF decoder on mesh 4) it plans at budgets falling from the unconstrained peak by ``--ratio`` until two
@@ -13,7 +15,8 @@ budgets in a row find nothing, and checks the search's two promises on every row
 A row shows the budget, what the search returned (peak, regions, predicted step time) or the least it
 names. The speed column need not fall with the budget (the search promises feasibility, not that a
 larger budget is never slower: see "larger budget slower" under the table). ``--write`` replaces the
-"## Joint search over budgets" section of tools/bench/RESULTS.md.
+"## Joint search over budgets" section of tools/bench/RESULTS.md ("## Sharding-only search over
+budgets" with ``--checkpoint none``).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ def factory(name: str):
     return getattr(bench_coverage, name)
 
 
-def sweep(name: str, ratio: float) -> tuple[list[tuple], dict]:
+def sweep(name: str, ratio: float, checkpoint: str = "auto") -> tuple[list[tuple], dict]:
     """Rows (budget, peak or None, regions, step s, least named or None, plan s) and the checks' outcome."""
     from cauto.profiler import profile
     from cauto.solver import InfeasibleBudgetError, plan
@@ -52,7 +55,7 @@ def sweep(name: str, ratio: float) -> tuple[list[tuple], dict]:
     while misses < 2:
         t0 = time.perf_counter()
         try:
-            doc = plan(graph, cluster, memory_budget=budget, checkpoint="auto")
+            doc = plan(graph, cluster, memory_budget=budget, checkpoint=checkpoint)
             pred = doc["predictions"]
             rows.append((budget, pred["peak_bytes"], len(doc.get("checkpoint", {}).get("regions", [])),
                          pred["step_time_s"]["total"], None, time.perf_counter() - t0))
@@ -68,9 +71,9 @@ def sweep(name: str, ratio: float) -> tuple[list[tuple], dict]:
     checks["one least named"] = len(named) == 1
     if len(named) == 1:
         (least,) = named
-        at = plan(graph, cluster, memory_budget=least, checkpoint="auto")["predictions"]["peak_bytes"]
+        at = plan(graph, cluster, memory_budget=least, checkpoint=checkpoint)["predictions"]["peak_bytes"]
         try:
-            plan(graph, cluster, memory_budget=least - 1, checkpoint="auto")
+            plan(graph, cluster, memory_budget=least - 1, checkpoint=checkpoint)
             below = True
         except InfeasibleBudgetError:
             below = False
@@ -94,11 +97,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ratio", type=float, default=0.95, help="each budget is the previous one times this")
     ap.add_argument("--models", default="gpt,llama,mistral")
+    ap.add_argument("--checkpoint", default="auto", choices=("auto", "none"))
     ap.add_argument("--write", action="store_true", help="write the tables to tools/bench/RESULTS.md")
     args = ap.parse_args()
     parts, ok = [], True
     for name in args.models.split(","):
-        rows, checks = sweep(name, args.ratio)
+        rows, checks = sweep(name, args.ratio, args.checkpoint)
         mesh = "x".join(map(str, MESHES[name]))
         ok &= all(v for k, v in checks.items() if k not in ("least", "larger budget slower"))
         parts.append(f"### {name}, mesh {mesh}\n\n| budget (B) | plan peak (B) | regions | predicted step (ms) | "
@@ -107,9 +111,11 @@ def main() -> None:
         print(parts[-1], flush=True)
     if args.write:
         from results_md import replace_section
-        command = f"python tools/bench/bench_joint_sweep.py --ratio {args.ratio} --models {args.models} --write"
-        replace_section("Joint search over budgets", f"Command: `{command}` (cpu-gloo cluster, fake tensors; "
-                        "plans only, nothing runs)\n\n" + "\n\n".join(parts))
+        command = (f"python tools/bench/bench_joint_sweep.py --ratio {args.ratio} --models {args.models} "
+                   f"--checkpoint {args.checkpoint} --write")
+        title = "Joint search over budgets" if args.checkpoint == "auto" else "Sharding-only search over budgets"
+        replace_section(title, f"Command: `{command}` (cpu-gloo cluster, fake tensors; plans only, nothing runs)"
+                        "\n\n" + "\n\n".join(parts))
     sys.exit(0 if ok else 1)
 
 

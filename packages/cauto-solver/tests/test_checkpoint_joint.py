@@ -182,3 +182,38 @@ def test_sharding_solves_are_kept_per_graph_cluster_and_budget():
     assert len(planning._SOLVED) == kept + 1 and other.model_state_bytes > again.model_state_bytes
     ilp_sharding(graph, cluster_for_mesh("cpu-gloo", (4,)))(None)
     assert len(planning._SOLVED) == kept + 2
+
+
+def test_sharding_only_search_is_monotonic_and_names_the_least_it_reaches():
+    """Issue 22, point 2, for checkpoint "none" under an explicit budget (planning._sharding_plan), on the
+    profiled zoo GPT (mesh 4): budgets swept downward from the unconstrained peak. Before the floor, the
+    search found a 7.79 MB plan at 7.80 MB while 6.6 MB named 8.25 MB as the least, and one byte above a
+    named least could find nothing. (1) every swept budget at or above a found plan's peak finds a plan;
+    (2) every infeasible budget names the same least X, the search at X finds a plan, at X - 1 none."""
+    import json
+    from pathlib import Path
+
+    from cauto.solver import InfeasibleBudgetError, cluster_for_mesh, plan
+    graph = json.loads((Path(__file__).parent / "data" / "profiled_gpt_graph.json").read_text())
+    cluster = cluster_for_mesh("cpu-gloo", (4,))
+    top = plan(graph, cluster)["predictions"]["peak_bytes"]
+    sweep, budget = [], top
+    while budget > top // 8:
+        try:
+            sweep.append((budget, plan(graph, cluster, memory_budget=budget)))
+        except InfeasibleBudgetError as exc:
+            sweep.append((budget, exc))
+        budget = int(budget * 0.85)
+    found = [(b, d["predictions"]["peak_bytes"]) for b, d in sweep if isinstance(d, dict)]
+    missed = [(b, e.needed_bytes) for b, e in sweep if isinstance(e, InfeasibleBudgetError)]
+    assert len(found) >= 2 and missed, sweep
+    for b, peak in found:
+        assert peak <= b
+        assert all(isinstance(d, dict) for budget, d in sweep if budget >= peak), (b, peak, sweep)
+    least = {needed for _, needed in missed}
+    assert len(least) == 1, missed
+    (least,) = least
+    assert all(needed > b for b, needed in missed)
+    assert plan(graph, cluster, memory_budget=least)["predictions"]["peak_bytes"] <= least
+    with pytest.raises(InfeasibleBudgetError):
+        plan(graph, cluster, memory_budget=least - 1)

@@ -68,6 +68,7 @@ from cauto.solver.joint import (
     checkpointed,
     device_dict,
     joint_plan,
+    sharding_ladder,
     sharding_result_from_plan,
 )
 from cauto.solver.memory.timeline import device_peak_judge, device_timeline
@@ -128,10 +129,91 @@ def _plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options: PlanOpt
             except InfeasibleBudgetError as with_chunks:
                 raise min(on_device, with_chunks, key=lambda e: e.needed_bytes or float("inf")) from None
     if options.checkpoint == "none":
-        return solve_sharding(graph, cluster, memory_budget=options.memory_budget_bytes, solver=options.solver,
-                              time_limit_s=options.time_limit_s, progress=progress,
-                              reduce_dtype=reduce_dtype_name(options))
+        if options.memory_budget_bytes is None:  # the device's whole memory: no floor to keep
+            return solve_sharding(graph, cluster, memory_budget=None, solver=options.solver,
+                                  time_limit_s=options.time_limit_s, progress=progress,
+                                  reduce_dtype=reduce_dtype_name(options))
+        return _sharding_plan(graph, cluster, options, progress)
     return _joint_plan(graph, cluster, options, progress)
+
+
+def _sharding_plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options: PlanOptions,
+                   progress: ProgressFn | None) -> PlanSections:
+    """The sharding-only plan under an explicit budget M, monotonic and honest as the joint search is
+    (joint.py, "Monotonic and honest"). The fastest-first search at M (the ILP, then its descent to the
+    walk's prediction) depends on M: it found a 7.79 MB plan for the profiled test GPT at 7.80 MB and
+    none at 6.6 MB, naming 8.25 MB, above the plan it had found. So a **floor** F is computed the same
+    at every budget: the least predicted peak over the sharding ladder (the search at top·0.8^k from the
+    unconstrained need down to the first budget nothing fits) and the ILP's least-memory sharding. The
+    search's plan is returned when its peak is at least F; otherwise, and where it finds nothing, the
+    fastest floor plan within M; with none, InfeasibleBudgetError naming F. So a budget finds a plan
+    exactly when M ≥ F, and every infeasible budget names the same F, a plan the search reaches. The
+    floor's searches run only where the search's plan is leaner than the least-memory plan (whose peak
+    is at least F) or there is none."""
+    graph_doc = graph.to_dict() if isinstance(graph, GraphDocument) else dict(graph)
+    budget = cluster.budget_bytes(options.memory_budget_bytes)
+    kwargs = dict(solver=options.solver, time_limit_s=options.time_limit_s, reduce_dtype=reduce_dtype_name(options))
+    error = None
+    try:
+        found = solve_sharding(graph_doc, cluster, memory_budget=budget, progress=progress, **kwargs)
+    except InfeasibleBudgetError as exc:
+        found, error = None, exc
+    if found is not None:  # the least-memory plan's peak bounds the floor from above: often enough
+        least = least_ilp_sharding(ilp_sharding(graph_doc, cluster, **kwargs), graph_doc, cluster, **kwargs)()
+        if least is not None and found.predictions["peak_bytes"] >= least.plan["predictions"]["peak_bytes"]:
+            return found
+    floor_plans = sharding_floor(graph_doc, cluster, **kwargs)
+    if not floor_plans:
+        if error is not None:
+            raise error
+        return found
+    floor = min(p["predictions"]["peak_bytes"] for p in floor_plans)
+    if found is not None and found.predictions["peak_bytes"] >= floor:
+        return found
+    fitting = [p for p in floor_plans if p["predictions"]["peak_bytes"] <= budget]
+    if fitting:
+        return PlanSections(copy.deepcopy(min(fitting, key=lambda p: (p["predictions"]["step_time_s"]["total"],
+                                                                     p["predictions"]["peak_bytes"]))))
+    tops = error.top_tensors if error is not None and error.needed_bytes == floor else []
+    raise InfeasibleBudgetError(budget, floor, tops)
+
+
+#: how many searches ``sharding_floor`` runs under its least plan (each: the ILP and its descent, at most
+#: DESCENT_SOLVES solves), at these fractions of it (1: one byte under it); a plan found lower starts again
+FLOOR_PROBES = 12
+FLOOR_PROBE_FRACTIONS = (1.0, 0.97, 0.9, 0.75)
+
+
+def sharding_floor(graph_doc: dict, cluster: ClusterSpec, **solve_kwargs) -> list[dict]:
+    """The plans of the sharding-only floor (``_sharding_plan``), none of which depends on the budget
+    asked: the search's plan at each budget of the sharding ladder (joint.py ``sharding_ladder``), the
+    ILP's least-memory plan, and the search's plans under the least of those (at
+    ``FLOOR_PROBE_FRACTIONS`` of it), again from each lower plan found until none is, at most
+    ``FLOOR_PROBES`` searches (the least-memory ILP minimizes the ILP's linear model, not the walk's
+    prediction, and the ladder's steps are coarse). Solves are kept (``ilp_sharding``): a sweep over
+    budgets solves the floor once."""
+    at = ilp_sharding(graph_doc, cluster, **solve_kwargs)
+    free = at(None)
+    if free is None:
+        return []
+    solved: dict[int, ShardingResult | None] = {}
+    sharding_ladder(at, free.model_state_bytes + free.activation_bytes, solved)
+    least = least_ilp_sharding(at, graph_doc, cluster, **solve_kwargs)()
+    plans = [r.plan for r in [free, *solved.values(), least] if r is not None]
+    probes = 0
+    while probes < FLOOR_PROBES:  # the search under the floor so far, until it finds nothing lower
+        floor = min(p["predictions"]["peak_bytes"] for p in plans)
+        for fraction in FLOOR_PROBE_FRACTIONS:
+            probes += 1
+            below = at(int(floor * fraction) if fraction < 1 else floor - 1)
+            if below is not None and below.plan["predictions"]["peak_bytes"] < floor:
+                plans.append(below.plan)
+                break
+            if probes == FLOOR_PROBES:
+                break
+        else:
+            break
+    return plans
 
 
 #: the checkpoint section of a plan that recomputes nothing because the ILP alone fits ("auto")

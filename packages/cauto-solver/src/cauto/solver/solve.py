@@ -114,7 +114,7 @@ def _top_tensors(graph: GraphDocument, chosen: Mapping[str, Strategy], memory: M
 
 
 #: the descent of ``_fit_prediction``: at most this many ILP solves (a plan whose prediction is over the
-#: budget moves the limit down by its excess)
+#: budget moves the limit down by its excess; the same plan again, by a growing step)
 DESCENT_SOLVES = 4
 
 
@@ -136,11 +136,13 @@ def _fit_prediction(g: GraphDocument, problem: Problem, memory: MemoryModel, res
                     time_limit_s: float, limit: int | None = None, seen: Seen | None = None):
     """The plan's prediction (``memory.predict``) refines the ILP's memory model (``memory.peak``, a
     linear proxy that is not tight): where the fastest plan under the ILP's ``limit`` (default: the
-    budget) lands over the budget, solve again with the limit lowered by the excess, until a plan
+    budget) lands over the budget, solve again with the limit lowered by the excess (the same plan
+    again: by twice the last step, at least 1/64 of the budget), until a plan
     fits, the ILP finds none, or ``DESCENT_SOLVES`` solves are spent (then: infeasible). Every plan
     evaluated goes into ``seen``."""
     nodes = [n for n in g.nodes if n.kind != "output"]
     limit = budget if limit is None else limit
+    step, previous = 0, None
     for attempt in range(DESCENT_SOLVES):
         if not result.feasible:
             return result
@@ -149,7 +151,11 @@ def _fit_prediction(g: GraphDocument, problem: Problem, memory: MemoryModel, res
             seen.add(peak, result.choice)
         if peak <= budget:
             return result
-        limit -= peak - budget
+        # the excess, or where the ILP chose the same plan again (the walk counts bytes its linear model
+        # does not, so a few bytes lower changes nothing) twice the last step, at least 1/64 of the budget
+        step = peak - budget if result.choice != previous else max(peak - budget, 2 * step, budget // 64)
+        previous = list(result.choice)
+        limit -= step
         if attempt == DESCENT_SOLVES - 1 or limit <= 0:
             break
         result = solve_ilp(problem, limit, solver=solver, time_limit_s=time_limit_s)
