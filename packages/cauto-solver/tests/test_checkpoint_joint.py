@@ -217,3 +217,7 @@ def test_sharding_only_search_is_monotonic_and_names_the_least_it_reaches():
     assert plan(graph, cluster, memory_budget=least)["predictions"]["peak_bytes"] <= least
     with pytest.raises(InfeasibleBudgetError):
         plan(graph, cluster, memory_budget=least - 1)
+    # a budget the fastest-first search misses gets a floor plan, recorded under the budget asked
+    for budget, doc in sweep:
+        if isinstance(doc, dict):
+            assert doc["predictions"]["memory_budget_bytes"] == budget

@@ -144,7 +144,8 @@ def _sharding_plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options
     walk's prediction) depends on M: it found a 7.79 MB plan for the profiled test GPT at 7.80 MB and
     none at 6.6 MB, naming 8.25 MB, above the plan it had found. So a **floor** F is computed the same
     at every budget: the least predicted peak over the sharding ladder (the search at top·0.8^k from the
-    unconstrained need down to the first budget nothing fits) and the ILP's least-memory sharding. The
+    unconstrained need down to the first budget nothing fits), the ILP's least-memory sharding and the
+    searches under the least of those (``sharding_floor``). The
     search's plan is returned when its peak is at least F; otherwise, and where it finds nothing, the
     fastest floor plan within M; with none, InfeasibleBudgetError naming F. So a budget finds a plan
     exactly when M ≥ F, and every infeasible budget names the same F, a plan the search reaches. The
@@ -172,8 +173,10 @@ def _sharding_plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options
         return found
     fitting = [p for p in floor_plans if p["predictions"]["peak_bytes"] <= budget]
     if fitting:
-        return PlanSections(copy.deepcopy(min(fitting, key=lambda p: (p["predictions"]["step_time_s"]["total"],
-                                                                     p["predictions"]["peak_bytes"]))))
+        best = copy.deepcopy(min(fitting, key=lambda p: (p["predictions"]["step_time_s"]["total"],
+                                                         p["predictions"]["peak_bytes"])))
+        best["predictions"]["memory_budget_bytes"] = budget  # the budget asked, not the floor search's
+        return PlanSections(best)
     tops = error.top_tensors if error is not None and error.needed_bytes == floor else []
     raise InfeasibleBudgetError(budget, floor, tops)
 
