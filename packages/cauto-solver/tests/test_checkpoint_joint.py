@@ -120,21 +120,45 @@ def test_attach_checkpoint_to_an_ilp_plan():
         attach_checkpoint(plan, graph, memory_budget_bytes=state + 1000)
 
 
-def _sweep_down(graph, cluster, *, ratio: float = 0.6, stop_after_misses: int = 2) -> list[tuple[int, object]]:
-    """plan(--checkpoint auto) at budgets falling from the unconstrained peak by ``ratio``: (budget, plan
-    document or InfeasibleBudgetError), until ``stop_after_misses`` budgets in a row find nothing."""
+def _sweep_down(graph, cluster, *, checkpoint: str, ratio: float, stop) -> list[tuple[int, object]]:
+    """plan(checkpoint=...) at budgets falling from the unconstrained peak by ``ratio``: (budget, plan
+    document or InfeasibleBudgetError), until ``stop(budget, top, misses in a row)``."""
     from cauto.solver import InfeasibleBudgetError, plan
     top = plan(graph, cluster)["predictions"]["peak_bytes"]
     out, misses, budget = [], 0, top
-    while misses < stop_after_misses:
+    while not stop(budget, top, misses):
         try:
-            out.append((budget, plan(graph, cluster, memory_budget=budget, checkpoint="auto")))
+            out.append((budget, plan(graph, cluster, memory_budget=budget, checkpoint=checkpoint)))
             misses = 0
         except InfeasibleBudgetError as exc:
             out.append((budget, exc))
             misses += 1
         budget = int(budget * ratio)
     return out
+
+
+def _assert_monotonic_and_honest(graph, cluster, sweep, *, checkpoint: str) -> None:
+    """Issue 22, point 2, on a downward sweep: (1) a plan found at any budget B with peak p means every
+    swept budget >= p finds a plan; (2) every infeasible budget names the same least X, the search at X
+    finds a plan and at X - 1 none, so X is exactly the least the search reaches; every plan records
+    the budget asked."""
+    from cauto.solver import InfeasibleBudgetError, plan
+    found = [(b, d["predictions"]["peak_bytes"]) for b, d in sweep if isinstance(d, dict)]
+    missed = [(b, e.needed_bytes) for b, e in sweep if isinstance(e, InfeasibleBudgetError)]
+    assert found and missed, sweep
+    for b, peak in found:
+        assert peak <= b
+        assert all(isinstance(d, dict) for budget, d in sweep if budget >= peak), (b, peak, sweep)
+    least = {needed for _, needed in missed}
+    assert len(least) == 1, missed
+    (least,) = least
+    assert all(needed > b for b, needed in missed)
+    assert plan(graph, cluster, memory_budget=least, checkpoint=checkpoint)["predictions"]["peak_bytes"] <= least
+    with pytest.raises(InfeasibleBudgetError):
+        plan(graph, cluster, memory_budget=least - 1, checkpoint=checkpoint)
+    for budget, doc in sweep:
+        if isinstance(doc, dict):
+            assert doc["predictions"]["memory_budget_bytes"] == budget
 
 
 @pytest.mark.parametrize("model,mesh", [("gpt", (4,)), ("llama", (2, 2)), ("mlp", (4,))])
@@ -144,23 +168,11 @@ def test_joint_search_is_monotonic_and_names_the_least_it_reaches(model, mesh):
     model's search used to find a 1.06 MB plan at 1.17 MB and none at 1.11 MB). (2) Every infeasible
     budget names the same least budget X (they used to contradict each other); the search at X finds
     a plan, and one byte less does not: X is exactly the least the search reaches."""
-    from cauto.solver import InfeasibleBudgetError, cluster_for_mesh, plan, synthetic
+    from cauto.solver import cluster_for_mesh, synthetic
     graph = getattr(synthetic, model)()
     cluster = cluster_for_mesh("cpu-gloo", mesh)
-    sweep = _sweep_down(graph, cluster)
-    found = [(b, d["predictions"]["peak_bytes"]) for b, d in sweep if isinstance(d, dict)]
-    missed = [(b, e.needed_bytes) for b, e in sweep if isinstance(e, InfeasibleBudgetError)]
-    assert found and missed
-    for b, peak in found:
-        assert peak <= b
-        assert all(isinstance(d, dict) for budget, d in sweep if budget >= peak), (model, b, peak, sweep)
-    least = {needed for _, needed in missed}
-    assert len(least) == 1, (model, missed)
-    (least,) = least
-    assert all(needed > b for b, needed in missed)
-    assert plan(graph, cluster, memory_budget=least, checkpoint="auto")["predictions"]["peak_bytes"] <= least
-    with pytest.raises(InfeasibleBudgetError):
-        plan(graph, cluster, memory_budget=least - 1, checkpoint="auto")
+    sweep = _sweep_down(graph, cluster, checkpoint="auto", ratio=0.6, stop=lambda _b, _top, misses: misses >= 2)
+    _assert_monotonic_and_honest(graph, cluster, sweep, checkpoint="auto")
 
 
 def test_sharding_solves_are_kept_per_graph_cluster_and_budget():
@@ -193,31 +205,9 @@ def test_sharding_only_search_is_monotonic_and_names_the_least_it_reaches():
     import json
     from pathlib import Path
 
-    from cauto.solver import InfeasibleBudgetError, cluster_for_mesh, plan
+    from cauto.solver import cluster_for_mesh
     graph = json.loads((Path(__file__).parent / "data" / "profiled_gpt_graph.json").read_text())
     cluster = cluster_for_mesh("cpu-gloo", (4,))
-    top = plan(graph, cluster)["predictions"]["peak_bytes"]
-    sweep, budget = [], top
-    while budget > top // 8:
-        try:
-            sweep.append((budget, plan(graph, cluster, memory_budget=budget)))
-        except InfeasibleBudgetError as exc:
-            sweep.append((budget, exc))
-        budget = int(budget * 0.85)
-    found = [(b, d["predictions"]["peak_bytes"]) for b, d in sweep if isinstance(d, dict)]
-    missed = [(b, e.needed_bytes) for b, e in sweep if isinstance(e, InfeasibleBudgetError)]
-    assert len(found) >= 2 and missed, sweep
-    for b, peak in found:
-        assert peak <= b
-        assert all(isinstance(d, dict) for budget, d in sweep if budget >= peak), (b, peak, sweep)
-    least = {needed for _, needed in missed}
-    assert len(least) == 1, missed
-    (least,) = least
-    assert all(needed > b for b, needed in missed)
-    assert plan(graph, cluster, memory_budget=least)["predictions"]["peak_bytes"] <= least
-    with pytest.raises(InfeasibleBudgetError):
-        plan(graph, cluster, memory_budget=least - 1)
-    # a budget the fastest-first search misses gets a floor plan, recorded under the budget asked
-    for budget, doc in sweep:
-        if isinstance(doc, dict):
-            assert doc["predictions"]["memory_budget_bytes"] == budget
+    sweep = _sweep_down(graph, cluster, checkpoint="none", ratio=0.85, stop=lambda b, top, _misses: b <= top // 8)
+    assert sum(isinstance(d, dict) for _, d in sweep) >= 2, sweep
+    _assert_monotonic_and_honest(graph, cluster, sweep, checkpoint="none")

@@ -159,11 +159,13 @@ def _sharding_plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options
         found = solve_sharding(graph_doc, cluster, memory_budget=budget, progress=progress, **kwargs)
     except InfeasibleBudgetError as exc:
         found, error = None, exc
+    at = ilp_sharding(graph_doc, cluster, **kwargs)
+    least = least_ilp_sharding(at, graph_doc, cluster, **kwargs)
     if found is not None:  # the least-memory plan's peak bounds the floor from above: often enough
-        least = least_ilp_sharding(ilp_sharding(graph_doc, cluster, **kwargs), graph_doc, cluster, **kwargs)()
-        if least is not None and found.predictions["peak_bytes"] >= least.plan["predictions"]["peak_bytes"]:
+        least_plan = least()
+        if least_plan is not None and found.predictions["peak_bytes"] >= least_plan.plan["predictions"]["peak_bytes"]:
             return found
-    floor_plans = sharding_floor(graph_doc, cluster, **kwargs)
+    floor_plans = sharding_floor(at, least)
     if not floor_plans:
         if error is not None:
             raise error
@@ -187,22 +189,21 @@ FLOOR_PROBES = 12
 FLOOR_PROBE_FRACTIONS = (1.0, 0.97, 0.9, 0.75)
 
 
-def sharding_floor(graph_doc: dict, cluster: ClusterSpec, **solve_kwargs) -> list[dict]:
+def sharding_floor(at: SolveSharding, least_sharding) -> list[dict]:
     """The plans of the sharding-only floor (``_sharding_plan``), none of which depends on the budget
     asked: the search's plan at each budget of the sharding ladder (joint.py ``sharding_ladder``), the
     ILP's least-memory plan, and the search's plans under the least of those (at
     ``FLOOR_PROBE_FRACTIONS`` of it), again from each lower plan found until none is, at most
     ``FLOOR_PROBES`` searches (the least-memory ILP minimizes the ILP's linear model, not the walk's
-    prediction, and the ladder's steps are coarse). Solves are kept (``ilp_sharding``): a sweep over
+    prediction, and the ladder's steps are coarse). ``at`` is ``ilp_sharding`` and ``least_sharding``
+    ``least_ilp_sharding`` of one graph, cluster and options; their solves are kept, so a sweep over
     budgets solves the floor once."""
-    at = ilp_sharding(graph_doc, cluster, **solve_kwargs)
     free = at(None)
     if free is None:
         return []
     solved: dict[int, ShardingResult | None] = {}
     sharding_ladder(at, free.model_state_bytes + free.activation_bytes, solved)
-    least = least_ilp_sharding(at, graph_doc, cluster, **solve_kwargs)()
-    plans = [r.plan for r in [free, *solved.values(), least] if r is not None]
+    plans = [r.plan for r in [free, *solved.values(), least_sharding()] if r is not None]
     probes = 0
     while probes < FLOOR_PROBES:  # the search under the floor so far, until it finds nothing lower
         floor = min(p["predictions"]["peak_bytes"] for p in plans)
