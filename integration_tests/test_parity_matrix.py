@@ -10,7 +10,9 @@ step 1 must match within fp32 tolerance.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -29,6 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "packages" / "cauto-runtime" / "tests" / "workers.py"
 TOL = 2e-5
 TIMEOUT_S = 420
+#: processes planning the jobs of one world size at once
+PLANNERS = 2
 
 K = dict(batch=12, seq=16, vocab=64, dim=32, layers=1, heads=4)
 KW = {"mlp": dict(batch=12, dim=16, hidden=32), "cnn": dict(batch=12, width=8, blocks=2, image=8), "gpt": K,
@@ -83,17 +87,24 @@ def _run(world: int, jobs: list[dict], tmp: Path) -> list[dict]:
     return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
 
 
+def _tight_plans(cases: list[tuple[str, tuple[int, ...]]]) -> list[tuple[dict, float | None]]:
+    """``_tight_plan`` of each case, two at a time: planning is one thread, and this machine has two
+    cores (each worker process profiles its own graphs)."""
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process that has run torch
+    with concurrent.futures.ProcessPoolExecutor(max_workers=PLANNERS, mp_context=ctx) as pool:
+        return list(pool.map(_tight_plan, *zip(*cases)))
+
+
 @pytest.mark.parametrize("world", sorted(MESHES))
 def test_solved_plans_match_one_process(world, tmp_path):
     jobs, sharded = [], 0
-    for shape in MESHES[world]:
-        for model in KW:
-            doc, fraction = _tight_plan(model, shape)
-            placements = {tuple(e["placements"]) for e in doc["params"].values()}
-            sharded += any(p != "R" for pl in placements for p in pl)
-            name = f"{model}_{'x'.join(map(str, shape))}"
-            jobs.append(dict(name=name, model=model, kwargs=KW[model], mesh=list(shape),
-                             axis_names=["dp", "tp"][: len(shape)], check=None, plan=doc, fraction=fraction))
+    cases = [(model, shape) for shape in MESHES[world] for model in KW]
+    for (model, shape), (doc, fraction) in zip(cases, _tight_plans(cases)):
+        placements = {tuple(e["placements"]) for e in doc["params"].values()}
+        sharded += any(p != "R" for pl in placements for p in pl)
+        name = f"{model}_{'x'.join(map(str, shape))}"
+        jobs.append(dict(name=name, model=model, kwargs=KW[model], mesh=list(shape),
+                         axis_names=["dp", "tp"][: len(shape)], check=None, plan=doc, fraction=fraction))
     if world in (2, 4):  # with 3 ranks the tiny models' dims (16, 32, 64) do not split: data parallel
         assert sharded >= len(jobs) // 2, "the budgets should make most plans shard parameters"
     for rank_result in _run(world, jobs, tmp_path):

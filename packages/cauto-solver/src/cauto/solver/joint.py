@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -254,17 +254,21 @@ def sharding_ladder(solve_sharding: SolveSharding, top_bytes: int,
                     solved: dict[int, ShardingResult | None]) -> list[int]:
     """The ILP budgets of the sharding ladder (module docstring), top first: top·ρ^k down to and
     including the first budget nothing fits (at most LADDER_MAX_POINTS). Solves into ``solved``."""
-    budgets = []
+    return [b for b, _ in ladder_points(solve_sharding, top_bytes, solved)]
+
+
+def ladder_points(solve_sharding: SolveSharding, top_bytes: int,
+                  solved: dict[int, ShardingResult | None]) -> Iterator[tuple[int, ShardingResult | None]]:
+    """``sharding_ladder``'s (budget, result) pairs one at a time, so a caller can stop early."""
     for k in range(LADDER_MAX_POINTS):
         b = int(top_bytes * LADDER_RATIO ** k)
         if b <= 0:
             break
         if b not in solved:
             solved[b] = solve_sharding(b)
-        budgets.append(b)
+        yield b, solved[b]
         if solved[b] is None:
             break
-    return budgets
 
 
 def _recompute_communication_s(sharding: ShardingResult, choice: CheckpointChoice, graph_doc: dict | None) -> float:

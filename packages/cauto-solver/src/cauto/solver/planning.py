@@ -50,7 +50,7 @@ import copy
 import hashlib
 import json
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 
 from cauto.plan import GraphDocument
@@ -68,7 +68,7 @@ from cauto.solver.joint import (
     checkpointed,
     device_dict,
     joint_plan,
-    sharding_ladder,
+    ladder_points,
     sharding_result_from_plan,
 )
 from cauto.solver.memory.timeline import device_peak_judge, device_timeline
@@ -149,8 +149,10 @@ def _sharding_plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options
     search's plan is returned when its peak is at least F; otherwise, and where it finds nothing, the
     fastest floor plan within M; with none, InfeasibleBudgetError naming F. So a budget finds a plan
     exactly when M ≥ F, and every infeasible budget names the same F, a plan the search reaches. The
-    floor's searches run only where the search's plan is leaner than the least-memory plan (whose peak
-    is at least F) or there is none."""
+    floor's plans are solved one at a time (``sharding_floor_plans``, the least-memory plan first) and
+    only until one peaks at or below the search's plan: that plan's peak is then at least F, and it is
+    returned. The whole floor is solved only where the search's plan is leaner than every floor plan,
+    or there is none."""
     graph_doc = graph.to_dict() if isinstance(graph, GraphDocument) else dict(graph)
     budget = cluster.budget_bytes(options.memory_budget_bytes)
     kwargs = dict(solver=options.solver, time_limit_s=options.time_limit_s, reduce_dtype=reduce_dtype_name(options))
@@ -161,18 +163,16 @@ def _sharding_plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options
         found, error = None, exc
     at = ilp_sharding(graph_doc, cluster, **kwargs)
     least = least_ilp_sharding(at, graph_doc, cluster, **kwargs)
-    if found is not None:  # the least-memory plan's peak bounds the floor from above: often enough
-        least_plan = least()
-        if least_plan is not None and found.predictions["peak_bytes"] >= least_plan.plan["predictions"]["peak_bytes"]:
-            return found
-    floor_plans = sharding_floor(at, least)
+    floor_plans = []
+    for floor_plan in sharding_floor_plans(at, least):
+        floor_plans.append(floor_plan)
+        if found is not None and found.predictions["peak_bytes"] >= floor_plan["predictions"]["peak_bytes"]:
+            return found  # at least F, the least of all floor plans: the rest need not be solved
     if not floor_plans:
         if error is not None:
             raise error
         return found
     floor = min(p["predictions"]["peak_bytes"] for p in floor_plans)
-    if found is not None and found.predictions["peak_bytes"] >= floor:
-        return found
     fitting = [p for p in floor_plans if p["predictions"]["peak_bytes"] <= budget]
     if fitting:
         best = copy.deepcopy(min(fitting, key=lambda p: (p["predictions"]["step_time_s"]["total"],
@@ -191,19 +191,32 @@ FLOOR_PROBE_FRACTIONS = (1.0, 0.97, 0.9, 0.75)
 
 def sharding_floor(at: SolveSharding, least_sharding) -> list[dict]:
     """The plans of the sharding-only floor (``_sharding_plan``), none of which depends on the budget
-    asked: the search's plan at each budget of the sharding ladder (joint.py ``sharding_ladder``), the
-    ILP's least-memory plan, and the search's plans under the least of those (at
-    ``FLOOR_PROBE_FRACTIONS`` of it), again from each lower plan found until none is, at most
-    ``FLOOR_PROBES`` searches (the least-memory ILP minimizes the ILP's linear model, not the walk's
-    prediction, and the ladder's steps are coarse). ``at`` is ``ilp_sharding`` and ``least_sharding``
-    ``least_ilp_sharding`` of one graph, cluster and options; their solves are kept, so a sweep over
-    budgets solves the floor once."""
+    asked (``sharding_floor_plans``)."""
+    return list(sharding_floor_plans(at, least_sharding))
+
+
+def sharding_floor_plans(at: SolveSharding, least_sharding) -> Iterator[dict]:
+    """The floor's plans one at a time, in the order they are solved: the ILP's least-memory plan, the
+    unconstrained plan, the search's plan at each budget of the sharding ladder (joint.py
+    ``ladder_points``), and the search's plans under the least of those (at ``FLOOR_PROBE_FRACTIONS`` of
+    it), again from each lower plan found until none is, at most ``FLOOR_PROBES`` searches (the
+    least-memory ILP minimizes the ILP's linear model, not the walk's prediction, and the ladder's steps
+    are coarse). ``at`` is ``ilp_sharding`` and ``least_sharding`` ``least_ilp_sharding`` of one graph,
+    cluster and options; their solves are kept, so a sweep over budgets solves the floor once. A caller
+    that only asks whether a plan's peak is at least the floor stops at the first plan at or below it."""
     free = at(None)
     if free is None:
-        return []
-    solved: dict[int, ShardingResult | None] = {}
-    sharding_ladder(at, free.model_state_bytes + free.activation_bytes, solved)
-    plans = [r.plan for r in [free, *solved.values(), least_sharding()] if r is not None]
+        return
+    plans = []
+    least = least_sharding()  # first: one search, and often at or below the plan a caller asks about
+    for result in (least, free):
+        if result is not None:
+            plans.append(result.plan)
+            yield result.plan
+    for _, result in ladder_points(at, free.model_state_bytes + free.activation_bytes, {}):
+        if result is not None:
+            plans.append(result.plan)
+            yield result.plan
     probes = 0
     while probes < FLOOR_PROBES:  # the search under the floor so far, until it finds nothing lower
         floor = min(p["predictions"]["peak_bytes"] for p in plans)
@@ -212,12 +225,12 @@ def sharding_floor(at: SolveSharding, least_sharding) -> list[dict]:
             below = at(int(floor * fraction) if fraction < 1 else floor - 1)
             if below is not None and below.plan["predictions"]["peak_bytes"] < floor:
                 plans.append(below.plan)
+                yield below.plan
                 break
             if probes == FLOOR_PROBES:
                 break
         else:
             break
-    return plans
 
 
 #: the checkpoint section of a plan that recomputes nothing because the ILP alone fits ("auto")
