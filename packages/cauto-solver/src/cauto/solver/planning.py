@@ -145,7 +145,7 @@ def _sharding_plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options
     none at 6.6 MB, naming 8.25 MB, above the plan it had found. So a **floor** F is computed the same
     at every budget: the least predicted peak over the sharding ladder (the search at top·0.8^k from the
     unconstrained need down to the first budget nothing fits), the ILP's least-memory sharding and the
-    searches under the least of those (``sharding_floor``). The
+    searches under the least of those (``sharding_floor_plans``). The
     search's plan is returned when its peak is at least F; otherwise, and where it finds nothing, the
     fastest floor plan within M; with none, InfeasibleBudgetError naming F. So a budget finds a plan
     exactly when M ≥ F, and every infeasible budget names the same F, a plan the search reaches. The
@@ -183,20 +183,15 @@ def _sharding_plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options
     raise InfeasibleBudgetError(budget, floor, tops)
 
 
-#: how many searches ``sharding_floor`` runs under its least plan (each: the ILP and its descent, at most
+#: how many searches ``sharding_floor_plans`` runs under its least plan (each: the ILP and its descent, at most
 #: DESCENT_SOLVES solves), at these fractions of it (1: one byte under it); a plan found lower starts again
 FLOOR_PROBES = 12
 FLOOR_PROBE_FRACTIONS = (1.0, 0.97, 0.9, 0.75)
 
 
-def sharding_floor(at: SolveSharding, least_sharding) -> list[dict]:
-    """The plans of the sharding-only floor (``_sharding_plan``), none of which depends on the budget
-    asked (``sharding_floor_plans``)."""
-    return list(sharding_floor_plans(at, least_sharding))
-
-
 def sharding_floor_plans(at: SolveSharding, least_sharding) -> Iterator[dict]:
-    """The floor's plans one at a time, in the order they are solved: the ILP's least-memory plan, the
+    """The plans of the sharding-only floor (``_sharding_plan``), none of which depends on the budget
+    asked, one at a time in the order they are solved: the ILP's least-memory plan, the
     unconstrained plan, the search's plan at each budget of the sharding ladder (joint.py
     ``ladder_points``), and the search's plans under the least of those (at ``FLOOR_PROBE_FRACTIONS`` of
     it), again from each lower plan found until none is, at most ``FLOOR_PROBES`` searches (the
