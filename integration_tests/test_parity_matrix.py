@@ -87,19 +87,22 @@ def _run(world: int, jobs: list[dict], tmp: Path) -> list[dict]:
     return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
 
 
-def _tight_plans(cases: list[tuple[str, tuple[int, ...]]]) -> list[tuple[dict, float | None]]:
+def _tight_plans(cases: list[tuple[str, tuple[int, ...]]], monkeypatch) -> list[tuple[dict, float | None]]:
     """``_tight_plan`` of each case, two at a time: planning is one thread, and this machine has two
-    cores (each worker process profiles its own graphs)."""
+    cores (each worker process profiles its own graphs). The workers unpickle ``_tight_plan`` by this
+    module's name (integration_tests.test_parity_matrix, pytest's importlib mode): the repository root
+    must be importable there, and spawn hands the parent's sys.path to its children."""
+    monkeypatch.syspath_prepend(str(ROOT))
     ctx = multiprocessing.get_context("spawn")  # no fork of a process that has run torch
     with concurrent.futures.ProcessPoolExecutor(max_workers=PLANNERS, mp_context=ctx) as pool:
         return list(pool.map(_tight_plan, *zip(*cases)))
 
 
 @pytest.mark.parametrize("world", sorted(MESHES))
-def test_solved_plans_match_one_process(world, tmp_path):
+def test_solved_plans_match_one_process(world, tmp_path, monkeypatch):
     jobs, sharded = [], 0
     cases = [(model, shape) for shape in MESHES[world] for model in KW]
-    for (model, shape), (doc, fraction) in zip(cases, _tight_plans(cases)):
+    for (model, shape), (doc, fraction) in zip(cases, _tight_plans(cases, monkeypatch)):
         placements = {tuple(e["placements"]) for e in doc["params"].values()}
         sharded += any(p != "R" for pl in placements for p in pl)
         name = f"{model}_{'x'.join(map(str, shape))}"
