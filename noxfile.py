@@ -8,6 +8,7 @@ the CPU build on local disk).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import nox
@@ -25,6 +26,13 @@ PACKAGES = {
     "cauto": (["cauto-plan", "cauto-profiler", "cauto-solver", "cauto-runtime", "cauto"], ["transformers"]),
 }
 TEST_TOOLS = ["pytest", "pytest-xdist", "hypothesis"]
+
+#: pytest-xdist workers per test session (``CAUTO_TEST_WORKERS``; 0 runs the tests in the session's own
+#: process). Two by default: CI's machine has two cores, and most of a session's wall time is one
+#: thread (an ILP solve, a spawn, a rank waiting on its peers) beside an idle core. The integration
+#: suite measured 31 min in one process, 19 min with two workers; every multi-process test allocates
+#: its own free port and has its own timeout, so two at once do not collide.
+TEST_WORKERS = os.environ.get("CAUTO_TEST_WORKERS", "2")
 
 nox.options.sessions = ["versions", "lint", "tests", "integration"]
 nox.options.reuse_existing_virtualenvs = True
@@ -46,7 +54,8 @@ def tests(session: nox.Session, package: str) -> None:
         session.run("python", "-c", "import importlib.util, sys; "
                     "sys.exit('torch is importable in the ' + sys.argv[1] + ' session') "
                     "if importlib.util.find_spec('torch') else None", package)
-    session.run("pytest", str(ROOT / "packages" / package / "tests"), *session.posargs,
+    workers = [] if package == "cauto-plan" else ["-n", TEST_WORKERS]  # cauto-plan's tests take 3 s
+    session.run("pytest", str(ROOT / "packages" / package / "tests"), *workers, *session.posargs,
                 env={"OMP_NUM_THREADS": "1"})
 
 
@@ -54,7 +63,8 @@ def tests(session: nox.Session, package: str) -> None:
 def integration(session: nox.Session) -> None:
     """Everything installed together: cross-package tests and the released-schema fixtures."""
     _install(session, list(PACKAGES["cauto"][0]), ["transformers", "highspy", "matplotlib"])
-    session.run("pytest", str(ROOT / "integration_tests"), *session.posargs, env={"OMP_NUM_THREADS": "1"})
+    session.run("pytest", str(ROOT / "integration_tests"), "-n", TEST_WORKERS, *session.posargs,
+                env={"OMP_NUM_THREADS": "1"})
 
 
 @nox.session

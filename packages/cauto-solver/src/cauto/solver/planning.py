@@ -199,15 +199,16 @@ def sharding_floor_plans(at: SolveSharding, least_sharding) -> Iterator[dict]:
     are coarse). ``at`` is ``ilp_sharding`` and ``least_sharding`` ``least_ilp_sharding`` of one graph,
     cluster and options; their solves are kept, so a sweep over budgets solves the floor once. A caller
     that only asks whether a plan's peak is at least the floor stops at the first plan at or below it."""
-    free = at(None)
-    if free is None:
-        return
     plans = []
     least = least_sharding()  # first: one search, and often at or below the plan a caller asks about
-    for result in (least, free):
-        if result is not None:
-            plans.append(result.plan)
-            yield result.plan
+    if least is not None:
+        plans.append(least.plan)
+        yield least.plan
+    free = at(None)  # only when the caller asks for more than the least-memory plan
+    if free is None:
+        return
+    plans.append(free.plan)
+    yield free.plan
     for _, result in ladder_points(at, free.model_state_bytes + free.activation_bytes, {}):
         if result is not None:
             plans.append(result.plan)
