@@ -17,9 +17,9 @@ batch (``model.input_slices()``).
 
 One peak measure for every setup: the bytes of the rank's state (parameters, gradients, buffers,
 optimizer state; each storage once) and its inputs at the start of a steady-state step, plus the peak
-of the step's allocations (torch.profiler allocation events; ``cauto.runtime.verify.allocation_peak``).
-Under gloo some blocks are freed on gloo's threads, where no free event is recorded; the measure
-dates those frees (see allocation_peak). The same setups also run on a fake process group of 4 in one
+of the step's allocations (torch.profiler allocation events; ``cauto.runtime.verify.step_allocation_peak``,
+the measure ``--verify`` uses). Under gloo some blocks are freed on gloo's threads, where no free event
+is recorded; the measure dates those frees at their storage's death (``cauto.runtime.storage_deaths``). The same setups also run on a fake process group of 4 in one
 process (rank 0; collectives do nothing, every free is on the main thread), where no dating is
 needed: the two columns agree when the gloo measure is right.
 
@@ -163,13 +163,10 @@ def time_interleaved(setups: dict, opts: dict, rounds: int):
 
 def peak_bytes(step, model, opt, inputs: dict) -> int:
     """The one peak measure (module docstring)."""
-    from cauto.profiler.memory_session import memory_session
-    from cauto.runtime.verify import allocation_peak, live_state_bytes
+    from cauto.runtime.verify import live_state_bytes, step_allocation_peak
 
     base = live_state_bytes(model, opt) + sum(v.numel() * v.element_size() for v in inputs.values())
-    with memory_session() as prof:
-        step()
-    return base + allocation_peak(prof, steady_state=True)
+    return base + step_allocation_peak(step)
 
 
 def worker(args) -> None:

@@ -100,7 +100,7 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from cauto.runtime.dist_utils import make_mesh
-    from cauto.runtime.verify import allocation_peak, live_state_bytes, verify_step
+    from cauto.runtime.verify import live_state_bytes, step_allocation_peak, verify_step
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
@@ -135,9 +135,7 @@ def worker(args) -> None:
     peaks = {}
     for name, (model, _) in models.items():
         base = live_state_bytes(model, opts[name])
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-            step(name)
-        peaks[name] = base + allocation_peak(prof, steady_state=True)
+        peaks[name] = base + step_allocation_peak(lambda name=name: step(name))
     report = verify_step(models["cauto"][0], ((), models["cauto"][1]), opts["cauto"])
     gathered = [None] * WORLD
     dist.all_gather_object(gathered, peaks)

@@ -12,8 +12,9 @@
   ``zero_grad``), buffers, optimizer state, and this rank's shard of the input batch as the plan
   places it (in global-batch mode the caller also holds the rest of the batch: the caller's data,
   not counted). In multi-process gloo runs a tensor freed on a gloo worker thread has no free
-  event (ENVIRONMENT.md); ``allocation_peak`` dates such frees (see there), and the step is
-  measured twice, keeping the lower peak (a missed free can only add bytes). On CUDA, ``torch.cuda.max_memory_allocated``.
+  event (ENVIRONMENT.md): the step runs under ``StorageDeaths``, which sees the storages the ops
+  return freed on any thread, and ``allocation_peak`` dates each such free at that death (a block no
+  op returned keeps the older dating, see there). The step is measured twice, keeping the lower peak. On CUDA, ``torch.cuda.max_memory_allocated``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from cauto.profiler.memory_session import memory_session
 from cauto.runtime.dist_utils import local_slices, to_placements
+from cauto.runtime.storage_deaths import StorageDeaths
 
 _OP_NAMES = {"all_reduce_": "all_reduce", "all_gather_into_tensor": "all_gather", "all_gather": "all_gather", "allgather_": "all_gather",
              "_allgather_base_": "all_gather", "all_reduce": "all_reduce", "allreduce_": "all_reduce",
@@ -99,16 +101,29 @@ def measured_peak_bytes(step, module, optimizer, repeats: int = 2) -> int:
         step()
         torch.cuda.synchronize()
         return int(torch.cuda.max_memory_allocated())
+    lowered = getattr(module, "lowered", None)
+    # inductor's compiled code runs eagerly under a Python dispatch mode: a compiled step keeps the
+    # profiler's dating (its buffers bypass the dispatcher anyway)
+    watch = lowered is None or not lowered.compile
     peaks = []
     for _ in range(max(1, repeats)):
         base = live_state_bytes(module, optimizer) + input_shard_bytes(module)
-        with memory_session() as prof:
-            step()
-        peaks.append(base + allocation_peak(prof, steady_state=True))
+        peaks.append(base + step_allocation_peak(step, watch_storages=watch))
     return min(peaks)
 
 
-def allocation_peak(prof, steady_state: bool = False, until_ns: int | None = None, exclude_scope: str = "") -> int:
+def step_allocation_peak(step, watch_storages: bool = True) -> int:
+    """Run ``step()`` once; the peak of bytes it allocated and still held (module docstring): profiler
+    allocation events, frees on other threads dated by ``StorageDeaths`` when ``watch_storages``."""
+    deaths = StorageDeaths() if watch_storages else contextlib.nullcontext()
+    with memory_session() as prof, deaths:
+        step()
+    lifetimes = deaths.lifetimes() if watch_storages else None
+    return allocation_peak(prof, steady_state=True, lifetimes=lifetimes)
+
+
+def allocation_peak(prof, steady_state: bool = False, until_ns: int | None = None, exclude_scope: str = "",
+                    lifetimes: dict[int, list[tuple[int, int | None]]] | None = None) -> int:
     """Peak of bytes allocated and still live during a profiled region, from its allocation events.
 
     ``until_ns``: the region ends there (``time.time_ns()``'s clock, the profiler's), not at the
@@ -119,7 +134,9 @@ def allocation_peak(prof, steady_state: bool = False, until_ns: int | None = Non
     A free that happened on a gloo worker thread is not reported. A block without a free event was
     freed on another thread: when its address is handed out again (the allocator cannot hand out a
     live address), or, with ``steady_state`` (a training step: nothing allocated in it outlives it),
-    still live when the region ends. Such a block counts as freed when the innermost collective op
+    still live when the region ends. Such a block counts as freed when the storage an op returned at
+    its address died (``lifetimes``: ``StorageDeaths.lifetimes()`` of the same region, every thread's
+    frees), else when the innermost collective op
     around its allocation returned (c10d, gloo or a DTensor redistribution: the collective's work,
     which holds it, is done by then; without one, the outermost op), or at the reuse if earlier. Uses the
     profiler's event tree (private in torch 2.13: ``experimental_event_tree``); falls back to summing
@@ -155,13 +172,13 @@ def allocation_peak(prof, steady_state: bool = False, until_ns: int | None = Non
     for i, (t, ptr, size, _) in enumerate(allocations):
         if size > 0:
             if ptr in open_at:  # reused without a free event: that block was freed on another thread
-                frees.append((_implicit_free_ns(allocations[open_at[ptr]], t), ptr, -allocations[open_at[ptr]][2]))
+                frees.append((_implicit_free_ns(allocations[open_at[ptr]], t, lifetimes), ptr, -allocations[open_at[ptr]][2]))
             open_at[ptr] = i
         elif ptr in open_at:
             frees.append((t, ptr, -allocations[open_at.pop(ptr)][2]))
     for ptr, i in open_at.items():  # never freed here: in a steady-state step, freed on another thread
         if steady_state and allocations[i][3] > 0:
-            frees.append((_implicit_free_ns(allocations[i], None), ptr, -allocations[i][2]))
+            frees.append((_implicit_free_ns(allocations[i], None, lifetimes), ptr, -allocations[i][2]))
     events = [(t, ptr, size) for t, ptr, size, _ in allocations if size > 0] + frees
     events.sort(key=lambda e: (e[0], e[2] > 0))
     live = peak = 0
@@ -197,11 +214,19 @@ def _is_collective(name: str) -> bool:
     return name.startswith(("c10d::", "_c10d_functional::", "gloo:")) or "Redistribute" in name
 
 
-def _implicit_free_ns(allocation: tuple[int, int, int, int], reused_ns: int | None) -> int:
-    """When a block freed on another thread (no free event) was freed: when the innermost collective
-    op (else the outermost op) that allocated it returned (the collective's work, which holds it,
-    is done by then), or when its address was handed out again, whichever came first."""
-    start_ns, _, _, outer_end_ns = allocation
+def _implicit_free_ns(allocation: tuple[int, int, int, int], reused_ns: int | None,
+                      lifetimes: dict[int, list[tuple[int, int | None]]] | None = None) -> int:
+    """When a block freed on another thread (no free event) was freed: when the storage an op
+    returned at its address died, if ``lifetimes`` saw it; else when the innermost collective op
+    (else the outermost op) that allocated it returned (the collective's work, which holds it, is
+    done by then); and no later than when its address was handed out again."""
+    start_ns, ptr, _, outer_end_ns = allocation
+    for born_ns, died_ns in (lifetimes or {}).get(ptr, ()):
+        if born_ns < start_ns or (reused_ns is not None and born_ns > reused_ns):
+            continue
+        if died_ns is not None:
+            return min(died_ns, reused_ns) if reused_ns is not None else died_ns
+        break
     end = outer_end_ns if outer_end_ns > start_ns else start_ns
     return min(end, reused_ns) if reused_ns is not None else end
 
