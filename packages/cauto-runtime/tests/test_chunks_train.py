@@ -289,7 +289,9 @@ def test_cpu_warm_up_measures_every_live_byte_but_the_chunks():
     chunks, counted by hand for a 2-layer MLP (batch 256, 64 -> 256 -> 64, MSE): at the second
     linear's backward, the inputs x and y, both hidden activations (the next op keeps each), the
     output's gradient, the hidden gradient and the weight's and bias's gradients as autograd hands
-    them to the chunk. The reference model run between backward and step is not counted."""
+    them to the chunk; and, live until ``backward`` returns, the loss (CPU ``mse_loss`` returns its
+    0-dim result in a storage of the elementwise loss's size, 256 x 64 floats) and the loss's
+    gradient seed (one float). The reference model run between backward and step is not counted."""
     def factory():
         torch.manual_seed(0)
         return mlp(batch=256, dim=64, hidden=256, layers=2)[0]
@@ -300,5 +302,5 @@ def test_cpu_warm_up_measures_every_live_byte_but_the_chunks():
     factory()(x, y).backward()  # the caller's own work after backward
     opt.step()
     b = 4
-    want = b * (2 * 256 * 64 + 2 * 256 * 256 + 256 * 64 + 256 * 256 + 64 * 256 + 64)
+    want = b * (2 * 256 * 64 + 2 * 256 * 256 + 256 * 64 + 256 * 256 + 64 * 256 + 64) + b * (256 * 64 + 1)
     assert opt.manager.nonmodel_peak_bytes == want

@@ -4,7 +4,7 @@ The torch profiler reports a free only on the thread that runs the profiler. In 
 collective's work object can hold the last reference to its input or output and drop it on a gloo
 worker thread: that free has no event, and a peak measured from allocation events alone has to
 guess its time (``cauto.runtime.verify.allocation_peak``). This dispatch mode watches every tensor an
-op returns (a DTensor's local tensor for a DTensor) and puts a weak reference on its storage. The
+op returns (a wrapper subclass's inner tensors: a DTensor's local tensor) and puts a weak reference on its storage. The
 weak reference's callback runs when the storage is freed, whichever thread frees it, and records the
 time on the profiler's clock (``time.time_ns``). ``allocation_peak`` then dates a free it did not see
 at the death of the storage that lived at that address.
@@ -19,7 +19,7 @@ import time
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 
@@ -41,22 +41,34 @@ class StorageDeaths(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
-            local = getattr(t, "_local_tensor", t)
-            if local.device.type != "cpu":
-                continue
-            storage = local.untyped_storage()
-            address = storage.data_ptr()
-            if not address:
-                continue
-            known = self._watched.get(address)
-            if known is not None and known() is storage:
-                continue
-            ref = weakref.ref(storage, lambda r, a=address: self._died(a, r))
-            self._watched[address] = ref
-            self._born_ns[address] = time.time_ns()
+            if isinstance(t, torch.Tensor):
+                self._watch(t)
         return out
+
+    def _watch(self, t: torch.Tensor) -> None:
+        """Watch ``t``'s storage, or, for a wrapper subclass (DTensor), its inner tensors' (the ops on
+        those run below this mode)."""
+        if is_traceable_wrapper_subclass(t):
+            for name in t.__tensor_flatten__()[0]:
+                inner = getattr(t, name)
+                if isinstance(inner, torch.Tensor):
+                    self._watch(inner)
+            return
+        if t.device.type != "cpu":
+            return
+        try:
+            storage = t.untyped_storage()
+            address = storage.data_ptr()
+        except RuntimeError:  # a tensor without a storage of its own
+            return
+        if not address:
+            return
+        known = self._watched.get(address)
+        if known is not None and known() is storage:
+            return
+        ref = weakref.ref(storage, lambda r, a=address: self._died(a, r))
+        self._watched[address] = ref
+        self._born_ns[address] = time.time_ns()
 
     def lifetimes(self) -> dict[int, list[tuple[int, int | None]]]:
         """address -> [(born_ns, died_ns or None), ...] in birth order."""

@@ -23,7 +23,7 @@
   CUDA, allocated bytes minus the arena, at every chunk access and at the allocator's peak. On CPU
   each forward-to-end-of-backward of the warm-up runs under ``torch.profiler`` (``profile_memory``)
   and its peak of live bytes (``cauto.runtime.verify.allocation_peak``: every allocation and free,
-  frees on gloo threads dated as there) is added to what was live when it started and is not model
+  frees on gloo threads dated at their storage's death, ``cauto.runtime.storage_deaths``) is added to what was live when it started and is not model
   state: this rank's inputs at their local size (``input_bytes``: a slice of a global batch counts
   as the copy a device would hold), parameters outside the chunks and buffers. The chunk manager's
   own buffers (host chunks, the all-gather's and reduce-scatter's staging and gloo's copies in them:
@@ -42,6 +42,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from cauto.profiler.memory_session import memory_session
+from cauto.runtime.storage_deaths import StorageDeaths
 
 from .chunk import Layout, TensorState
 from .manager import BACKWARD_PINS, GRAD, OWN_BUFFERS, PARAM, ChunkManager
@@ -94,6 +95,7 @@ class ChunkedModel(nn.Module):
         self._session = None  # the profiler measuring a CPU warm-up step, and what was live before it
         self._session_base_bytes = 0
         self._prof = None
+        self._deaths = None  # StorageDeaths over the same step: frees on gloo threads (verify module doc)
         self._session_end_ns: int | None = None
         #: bytes of the inputs of the next forward at the size this rank holds them (module doc)
         self.input_bytes = 0
@@ -271,6 +273,8 @@ class ChunkedModel(nn.Module):
         mgr.measuring = True
         self._session = memory_session()
         self._prof = self._session.__enter__()
+        self._deaths = StorageDeaths()
+        self._deaths.__enter__()
         _MEASURING[:] = [self]
 
     def end_measure(self) -> None:
@@ -283,11 +287,13 @@ class ChunkedModel(nn.Module):
         session, self._session = self._session, None
         if _MEASURING and _MEASURING[0] is self:
             _MEASURING.clear()
+        deaths, self._deaths = self._deaths, None
+        deaths.__exit__(None, None, None)
         session.__exit__(None, None, None)
         mgr = self.manager
         mgr.measuring = False
         peak = self._session_base_bytes + allocation_peak(self._prof, steady_state=True, until_ns=self._session_end_ns,
-                                                          exclude_scope=OWN_BUFFERS)
+                                                          exclude_scope=OWN_BUFFERS, lifetimes=deaths.lifetimes())
         self._prof, self._session_end_ns = None, None
         mgr.nonmodel_peak_bytes = max(mgr.nonmodel_peak_bytes, peak)
 
