@@ -42,7 +42,9 @@ saved once its backward ran):
   consumer) freed. It holds the arriving gradient and, as the local program runs it, either the
   collective's staging copy (cost/reshard.py ``staging_copies``: the stacked chunks of a reduce-scatter onto
   an inner dimension, made while the gradient is live; the gradient is freed before the collective
-  allocates its smaller result) or, for any other collective, the result.
+  allocates its smaller result) or, for any other collective, the result. A plan with nested regions
+  runs on the DTensor interpreter, whose reduce-scatter onto an inner dimension holds the gradient,
+  the stacked chunks, gloo's clone of them and the result at once (``INTERPRETER_STAGING_COPIES``).
 * Then the gradient synchronization and optimizer step, exactly as model.py predicts them.
 
 For a plan without regions each op's backward point is also at least the calibrated model's for it
@@ -438,6 +440,9 @@ def _backward_points(walk: _Walk, nesting: _Nesting, frees: _Freed, state: int,
     freed = frees.bytes
     saved_upto = _saved_prefix_sums(walk, nesting, freed, frees.escaping)
     pending = _waiting_grads(walk)
+    # nested regions run on the DTensor interpreter (runtime apply.py ``_lowering_for_regions``); chunked
+    # programs do too, but their plans measured within 3% without this rule (RESULTS.md "Three levers")
+    interpreter = _has_nested_regions(nesting)
     points: list[tuple[str, str | None, int]] = []
     grads = 0
     for t in range(len(ops) - 1, -1, -1):
@@ -464,8 +469,12 @@ def _backward_points(walk: _Walk, nesting: _Nesting, frees: _Freed, state: int,
                     grad_bytes[k] = grad
                 if k < len(s.inputs) and output_placement(walk.chosen, src, o) != s.inputs[k]:
                     target = backward_target(s.input_grads[k], output_placement(walk.chosen, src, o))
-                    staged = max(staged, grad * staging_copies(s.input_grads[k], target, memory.mesh_shape),
-                                 walk.dev_bytes(src, o, target))
+                    copies = staging_copies(s.input_grads[k], target, memory.mesh_shape)
+                    result = walk.dev_bytes(src, o, target)
+                    if interpreter and copies:  # the stacked chunks, gloo's clone of them and the result, at once
+                        staged = max(staged, grad * INTERPRETER_STAGING_COPIES + result)
+                    else:
+                        staged = max(staged, grad * copies, result)
         grads += pending[t]
         scratch = max(memory.transient_bytes(n, s), memory.backward_workspace_bytes(n),
                       _regathered_bytes(walk, nesting, n))
@@ -516,13 +525,31 @@ def _passes_gradient_through(n, s: Strategy, k: int, src, o: int) -> bool:
         and s.input_grads[k] == s.outputs[0]
 
 
+INTERPRETER_STAGING_COPIES = 2
+"""Full-size copies beside the gradient when the DTensor interpreter reduce-scatters it onto an inner
+dimension: its stacked chunks (``cat``) and the clone gloo's reduce-scatter makes of them, with the
+result allocated while both and the gradient are live. Measured on gloo (zoo GPT, mesh 4, a nested
+rotor plan: the MLP hidden's gradient of 131072 B held 3 x 131072 + 32768 B at once)."""
+
+
+def _has_nested_regions(nesting: _Nesting) -> bool:
+    """Whether a checkpoint region of the plan has a parent (the runtime runs such plans on the DTensor
+    interpreter, not the local program)."""
+    return any(nesting.parent[i] is not None for i in nesting.parent)
+
+
+def _runs_on_interpreter(walk: _Walk, nesting: _Nesting) -> bool:
+    """Whether the runtime runs this plan on the DTensor interpreter rather than the local program:
+    nested checkpoint regions or chunked state."""
+    return _has_nested_regions(nesting) or getattr(walk.memory, "offload", None) is not None
+
+
 def _regathered_bytes(walk: _Walk, nesting: _Nesting, n) -> int:
     """The staging copy of an input that the local program gathers again for ``n``'s backward: a region
     op whose backward reads an input that reaches it by an all-gather of an inner dimension
     (checkpoint/recompute.py) has the gathered result and its ``cat`` live at once, while the gradient
     of its output and of that input are (module doc: Backward)."""
-    if n.id not in nesting.innermost or any(nesting.parent[i] is not None for i in nesting.parent) \
-            or getattr(walk.memory, "offload", None) is not None:
+    if n.id not in nesting.innermost or _runs_on_interpreter(walk, nesting):
         return 0  # outside regions nothing is gathered again; nested regions and chunks run on the interpreter
     s = walk.chosen[n.id]
     most = 0
