@@ -17,6 +17,10 @@ CASES = [  # target, mesh, per-device budget, checkpoint, allowed |measured/pred
     # Joint sharding + checkpointing: the budget only fits with recomputation (a region [layer_norm_1 ..
     # add_2] holding two S(2) -> R edges; the tied head weight's shared all-gather reduce-scatters back).
     ("cauto.profiler.zoo:gpt", "4", "1.25MiB", "rotor", 0.05, True),
+    # Nested regions (rotor at this budget: 8 regions, 3 with children) run on the DTensor interpreter, whose
+    # reduce-scatter onto an inner dimension holds the gradient, the stacked chunks, gloo's clone and the
+    # result at once (walk.py INTERPRETER_STAGING_COPIES; without it this plan's family measured +18%)
+    ("cauto.profiler.zoo:gpt", "4", "1.0MiB", "rotor", 0.05, True),
     # 2-D mesh: the local program gathers again in backward only what some op's backward reads (not the
     # tp all-gather into a region's closing residual add), and a recomputed inner-dimension gather holds
     # its staging copy next to the input gradient (about 3.5 min to plan, 1 min to run here).
@@ -46,6 +50,8 @@ def test_profile_plan_run_on_four_ranks(cauto, tmp_path, target, mesh, budget, c
     assert any(c["op"] for c in doc["predictions"]["collectives"]), "the budget should force a sharded plan"
     if checkpoint != "none":
         assert doc["checkpoint"]["regions"], "the budget should need recomputation"
+    if budget == "1.0MiB":
+        assert any(r.get("children") for r in doc["checkpoint"]["regions"]), "the budget should need nested regions"
     assert any(c["where"].startswith("recompute: ") for c in doc["predictions"]["collectives"]) == recomputes
     res = cauto("run", target, "--plan", str(plan), "--nproc", "4", "--steps", "2", "--verify", timeout=400)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

