@@ -175,9 +175,9 @@ def test_plan_1_0_reads_with_the_execution_section_its_fields_imply(tmp_path, gr
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         p = load_plan(tmp_path / "old.json")
-    assert p.schema_version == "1.3" and p.offload is None
+    assert p.schema_version == "1.4" and p.offload is None
     assert p.execution == {"mode": "program", "grad_reductions": ["linear:0"]}
-    assert {k: v for k, v in p.to_dict().items() if k != "execution"} == {**old, "schema_version": "1.3"}
+    assert {k: v for k, v in p.to_dict().items() if k != "execution"} == {**old, "schema_version": "1.4"}
 
 
 def test_plan_1_1_with_chunks_gets_the_mode_and_the_simulated_budget(tmp_path, plan):
@@ -220,7 +220,7 @@ def test_plan_1_2_reads_as_1_3_without_mixed_precision(tmp_path, plan):
     old["schema_version"] = "1.2"
     (tmp_path / "old.json").write_text(json.dumps(old))
     p = load_plan(tmp_path / "old.json")
-    assert p.schema_version == "1.3" and "mixed_precision" not in p.execution
+    assert p.schema_version == "1.4" and "mixed_precision" not in p.execution
     new = copy.deepcopy(plan)
     new["execution"] = {**new["execution"], "mixed_precision": {"compute_dtype": "bfloat16", "reduce_dtype": "float32"}}
     (tmp_path / "new.json").write_text(json.dumps(new))

@@ -133,7 +133,7 @@ def test_cli_offload_flag(tmp_path, capsys, least_on_device):
     assert main([str(graph_path), "--mesh", "2", "--memory", budget, "--offload", "auto", "-o", str(out)]) == 0
     assert "chunked state" in capsys.readouterr().out
     doc = load_plan(out)
-    assert doc.schema_version == "1.3" and doc.offload["device_budget_bytes"] == int(budget)
+    assert doc.schema_version == "1.4" and doc.offload["device_budget_bytes"] == int(budget)
     assert {e["state"] for e in doc.params.values()} == {"chunked"}
     with pytest.raises(SystemExit) as info:
         main([str(graph_path), "--mesh", "2", "--offload", "always", "-o", str(tmp_path / "q.json")])

@@ -20,6 +20,11 @@ The runtime reads these fields and derives nothing itself:
   solved from ran under the same autocast, so its dtypes are the ones that run), parameters and optimizer
   state stay in their own dtype (fp32 masters), the parameters' gradients are reduced in ``reduce_dtype``.
   Absent: the step runs in the parameters' dtype, as in every plan before 1.3.
+* ``execution.regather_params`` (since 1.4, optional, default false): every parameter the program
+  gathers for use (stored sharded, consumed less sharded: ZeRO-3) is freed after its last forward use
+  and gathered again in backward, just before the first backward op that reads it (FSDP's reshard
+  after forward). One more all-gather per such parameter in backward (the plan's predicted
+  collectives list them), for the gathered copies' bytes off the forward-to-backward peak.
 
 Documents of 1.0 and 1.1 get the section on read (versioning's upgrader) by the same rules, which
 live here and nowhere else.
@@ -107,3 +112,8 @@ def add_execution(doc: dict) -> dict:
 
 __all__ = ["ALL_CHUNK_LISTS_BYTES_PER_ELEM", "DTYPE_NAMES", "GRAD_OF", "MODES", "mixed_precision_section", "add_execution", "chunk_manager_runs",
            "execution_section", "grad_reductions_of", "simulated_device_budget_bytes"]
+
+
+def regathers_params(execution: dict | None) -> bool:
+    """Whether the program gathers parameters again in backward (``execution.regather_params``; absent: no)."""
+    return bool((execution or {}).get("regather_params", False))

@@ -19,7 +19,7 @@ from cauto.plan.execution import add_execution
 KINDS = ("graph", "plan")
 
 #: The version this cauto-plan writes, per document kind.
-CURRENT_VERSION: dict[str, tuple[int, int]] = {"graph": (1, 2), "plan": (1, 3)}
+CURRENT_VERSION: dict[str, tuple[int, int]] = {"graph": (1, 2), "plan": (1, 4)}
 
 
 def _graph_1_0_to_1_1(doc: dict) -> dict:
@@ -52,12 +52,19 @@ def _plan_1_2_to_1_3(doc: dict) -> dict:
     return doc
 
 
+def _plan_1_3_to_1_4(doc: dict) -> dict:
+    """Plan 1.4 adds the optional ``execution.regather_params``; without it every gathered parameter copy is
+    kept for backward, as every older plan did: a 1.3 document is a valid 1.4 document as it is."""
+    return doc
+
+
 #: (kind, from_minor) -> function that turns a document of MAJOR.from_minor into MAJOR.from_minor+1.
 UPGRADERS: dict[tuple[str, int], Callable[[dict], dict]] = {("graph", 0): _graph_1_0_to_1_1,
                                                            ("graph", 1): _graph_1_1_to_1_2,
                                                            ("plan", 0): _plan_1_0_to_1_1,
                                                            ("plan", 1): _plan_1_1_to_1_2,
-                                                           ("plan", 2): _plan_1_2_to_1_3}
+                                                           ("plan", 2): _plan_1_2_to_1_3,
+                                                           ("plan", 3): _plan_1_3_to_1_4}
 
 
 class NewerMinorVersionWarning(UserWarning):

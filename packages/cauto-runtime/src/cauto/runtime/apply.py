@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from cauto.plan import PlanDocument, load_plan
-from cauto.plan.execution import lowered_reduce_dtype
+from cauto.plan.execution import lowered_reduce_dtype, regathers_params
 from cauto.plan.validate import check_plan_against_graph
 from cauto.profiler.capture import Capture, capture
 from cauto.runtime import execute, training_state
@@ -384,6 +384,9 @@ def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, 
     if check_placements:
         propagation = _propagation(cap, plan, mesh)
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+    if has_chunks and regathers_params(plan.execution):
+        raise PlanMismatchError("this plan both keeps parameter state in chunks and gathers parameters again in "
+                                "backward (execution.regather_params), which do not combine: plan again (cauto plan)")
     if has_chunks:
         chunked, chunked_opt, shards = shard_into_chunks(model, plan, mesh, device, optimizer)
         executable = build_program(cap, plan, mesh, device, propagation, shards)
@@ -392,10 +395,18 @@ def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, 
         return module
     executable = execute.build(cap, plan, mesh, device, propagation)
     lowering = _lowering_for_regions(plan, lowering, compile)
+    regather = regathers_params(plan.execution)
+    if regather and lowering != "local":
+        raise PlanMismatchError(
+            "this plan gathers parameters again in backward (execution.regather_params), which only the local "
+            "program does, and it runs on DTensors here (" + ("lowering='dtensor' was asked" if lowering == "dtensor"
+                                                             and not _nested_regions(plan) else
+                                                             "its checkpoint regions are nested") +
+            "): run it with lowering='local', or plan again (cauto plan) without nested regions")
     plain = lowering == "local" and _replicated_as_plain(model, mesh)
     reduce = reduce_dtype(plan)
     lowered = LocalProgram(executable.module, mesh, compile=compile, plan_nodes=plan.nodes,
-                           autocast_dtype=compute, reduce_dtype=reduce) if lowering == "local" else None
+                           autocast_dtype=compute, reduce_dtype=reduce, regather=regather) if lowering == "local" else None
     module = ParallelModule(model, cap, plan, mesh, executable, bucket_bytes, lowered=lowered,
                             autocast_dtype=compute, reduce_dtype=reduce)
     if lowered is not None:
@@ -404,7 +415,7 @@ def apply(model_or_fn: Callable, plan: PlanDocument | dict | str | os.PathLike, 
                                             for n in cap.graph.nodes
                                             if n.op == "placeholder" and cap.placeholders[n.name][0] == "input"])
         except LoweringError as exc:
-            if plain or compile or not _asks_a_value(exc):
+            if plain or compile or regather or not _asks_a_value(exc):
                 raise
             # DTensor asked a tensor's value while the local program was traced (its redistribution of a
             # strided shard in Mixtral's 2x2 backward): the same program runs on DTensors as written
@@ -460,10 +471,15 @@ def _propagation(cap: Capture, plan: PlanDocument, mesh: DeviceMesh) -> Propagat
     return propagate(cap, mesh, ph, node_inputs=inputs, node_outputs=outputs)
 
 
+def _nested_regions(plan: PlanDocument) -> list[int]:
+    """Indices of the plan's checkpoint regions that have children."""
+    return [i for i, r in enumerate((plan.checkpoint or {}).get("regions", [])) if r.get("children")]
+
+
 def _lowering_for_regions(plan: PlanDocument, lowering: str, compile: bool) -> str:
     """``lowering``, or "dtensor" for the local program of a plan with nested checkpoint regions (refused
     with compile=True)."""
-    nested = [i for i, r in enumerate((plan.checkpoint or {}).get("regions", [])) if r.get("children")]
+    nested = _nested_regions(plan)
     if nested and lowering == "local":
         if compile:
             raise PlanMismatchError(

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import copy as _copy
+import functools
 
 import torch
 import torch.fx
@@ -114,10 +115,12 @@ def annotate_collectives(gm: torch.fx.GraphModule, mesh: DeviceMesh) -> list[dic
     return records
 
 
-def _partition_with_regions(joint: torch.fx.GraphModule, joint_inputs, **kwargs):
+def _partition_with_regions(joint: torch.fx.GraphModule, joint_inputs, *, regather: bool = False, **kwargs):
     """AOTAutograd's default partition (save what backward needs), except that every op of a plan's
     checkpoint region (annotated by ``ops.checkpointed`` while tracing) is recomputed in backward from
-    the region's inputs instead of saved: the region's activations are freed after forward."""
+    the region's inputs instead of saved: the region's activations are freed after forward. With
+    ``regather`` (plan ``execution.regather_params``), each gathered parameter is gathered again in
+    backward too (``_mark_regathered``)."""
     from torch._functorch.partitioners import default_partition
     from torch.utils.checkpoint import CheckpointPolicy
 
@@ -140,7 +143,39 @@ def _partition_with_regions(joint: torch.fx.GraphModule, joint_inputs, **kwargs)
         if any(user not in region_of and user not in backward and user.op == "call_function"
                for user in node.users):
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+    if regather:
+        _mark_regathered(joint, backward, first_id=len(regions))
     return default_partition(joint, joint_inputs, **kwargs)
+
+
+def _mark_regathered(joint: torch.fx.GraphModule, backward: set[torch.fx.Node], first_id: int) -> None:
+    """Recompute in backward every gathered copy of a program input (FSDP's reshard after forward; plan
+    ``execution.regather_params``): for each primal input of the joint graph (a parameter's local shard,
+    or a user input), the forward ops that read nothing but it and each other (its cast, all-gather,
+    wait, the reshapes that put the gathered chunks in place, the transpose a linear reads) are
+    recomputed where backward first reads them, not saved, when they include an all-gather: the copy
+    dies after its last forward use and lives again from just before its consumer's backward to that
+    backward's end (the partition reorders recomputed ops to their first backward use, as the autograd
+    engine would run them). An input without an all-gather in that chain (replicated, or sharded as it
+    is used) is left as it is. Each chain is its own recompute group, numbered after the checkpoint
+    regions (``first_id``): torch saves a recomputed value that feeds a later-numbered group, so a
+    gathered copy read inside a region is gathered again there rather than kept."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    group = first_id
+    for primal in [n for n in joint.graph.nodes if n.op == "placeholder" and n.name.startswith("primals")]:
+        chain = {primal}
+        for node in joint.graph.nodes:
+            if node.op == "call_function" and node not in backward and node.all_input_nodes \
+                    and all(arg in chain for arg in node.all_input_nodes):
+                chain.add(node)
+        chain.discard(primal)
+        if not any("all_gather" in str(node.target) for node in chain):
+            continue
+        for node in chain:
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            node.meta["ac_graph_id"] = group
+        group += 1
 
 
 def _tangent_dependents(joint: torch.fx.GraphModule) -> set[torch.fx.Node]:
@@ -400,8 +435,11 @@ class LocalProgram(torch.nn.Module):
 
     def __init__(self, program: torch.fx.GraphModule, mesh: DeviceMesh, *, compile: bool = False,
                  plain: set[int] | None = None, bucket_bytes: int = 25 * 2**20, plan_nodes: dict | None = None,
-                 autocast_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None):
+                 autocast_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+                 regather: bool = False):
         super().__init__()
+        #: plan ``execution.regather_params``: gathered parameters are gathered again in backward
+        self.regather = regather
         #: the plan's mixed-precision compute dtype: the program is traced under autocast to it (None: off)
         self.autocast_dtype = autocast_dtype
         #: the dtype the backward graph's gradient buckets are all-reduced in (None: the gradients' own)
@@ -604,7 +642,9 @@ class LocalProgram(torch.nn.Module):
             from torch._inductor.decomposition import select_decomp_table
             decompositions = select_decomp_table()
         return aot_function(step, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
-                            inference_compiler=keep("inference"), partition_fn=_partition_with_regions,
+                            inference_compiler=keep("inference"),
+                            partition_fn=functools.partial(_partition_with_regions,
+                                                           regather=self.regather and training),
                             decompositions=decompositions)
 
     def code(self) -> str:

@@ -32,6 +32,7 @@ from cauto.plan import CURRENT_VERSION, GraphDocument, GraphNode, split_ref
 from cauto.plan.execution import GRAD_OF
 from cauto.plan.precision import bytes_as
 from cauto.plan.versioning import format_version
+from cauto.solver.checkpoint.recompute import reads_input
 from cauto.solver.cluster import ClusterSpec
 from cauto.solver.cost.model import CostModel
 from cauto.solver.cost.reshard import Collective, backward_target, is_partial, reshard
@@ -54,7 +55,8 @@ def sharding_section(g: GraphDocument, cluster: ClusterSpec, chosen: Mapping[str
     nodes = [n for n in g.nodes if n.kind != "output"]
     rg = tensor_requires_grad(nodes, cost.train)
     plan_nodes, params, compute = placements(nodes, chosen, cost)
-    edges, fwd, bwd, arriving = redistributions(g, nodes, chosen, cost, rg, memory.moved_dtypes)
+    edges, fwd, bwd, arriving = redistributions(g, nodes, chosen, cost, rg, memory.moved_dtypes,
+                                                regather=memory.regather and cost.train)
     grad_sync, reductions, reduced = gradient_reductions(g, chosen, cost, arriving)
     bwd += reductions + total_weight_collectives(nodes, chosen, cost, rg)
     fwd += loss_collectives(g, chosen, cost)
@@ -68,7 +70,8 @@ def sharding_section(g: GraphDocument, cluster: ClusterSpec, chosen: Mapping[str
         "graph_fingerprint": g.fingerprint,
         "mesh": {"shape": list(mesh), "axis_names": list(cluster.axis_names)},
         "cluster": cluster.to_dict(), "nodes": plan_nodes, "params": params, "edges": edges,
-        "grad_sync": grad_sync, "execution": {"mode": "program", "grad_reductions": sorted(reduced)},
+        "grad_sync": grad_sync, "execution": {"mode": "program", "grad_reductions": sorted(reduced),
+                                              **({"regather_params": True} if memory.regather else {})},
         "predictions": {"peak_bytes": int(peak), "memory_budget_bytes": budget, "model_state_bytes": int(state),
                         "activation_bytes": int(act),
                         "step_time_s": {"total": compute + communication, "compute": compute,
@@ -98,16 +101,24 @@ def placements(nodes: list[GraphNode], chosen: Mapping[str, Strategy],
 
 
 def redistributions(g: GraphDocument, nodes: list[GraphNode], chosen: Mapping[str, Strategy], cost: CostModel,
-                    rg: Mapping[str, bool], moved_dtypes: Mapping[tuple[str, int], str]
+                    rg: Mapping[str, bool], moved_dtypes: Mapping[tuple[str, int], str], regather: bool = False
                     ) -> tuple[list, list, list, dict[str, dict[tuple, int]]]:
     """(``edges``, their forward collectives, their backward collectives, gradients arriving without
     an edge: value ref (a parameter: its owner's id) -> {gradient placement: bytes}). ``moved_dtypes``:
-    inputs moved in the dtype their consumer casts them to (mixed precision, memory/casts.py)."""
+    inputs moved in the dtype their consumer casts them to (mixed precision, memory/casts.py).
+    ``regather`` (plan ``execution.regather_params``): each parameter copy that some consumer's backward
+    reads is gathered again in backward, once (the local program recomputes the copy where backward
+    first reads it and keeps it to its last read): its forward collectives again, phase "backward",
+    ``where`` "regather: <edge>"."""
     by_id = g.node_map()
     mesh = tuple(cost.mesh_shape)
     edges, fwd, bwd = [], [], []
     #: (value ref, placement) already redistributed: later consumers reuse it (runtime execute.py)
     redistributed: set[tuple[str, tuple, str | None]] = set()
+    #: the same key -> the collectives that made the copy and their edge; the copies gathered again
+    gathered_first: dict[tuple, tuple] = {}
+    gathered_where: dict[tuple, str] = {}
+    regathered: set[tuple] = set()
     copy_grads = copy_gradients(nodes, chosen, by_id, moved_dtypes)
     arriving: dict[str, dict[tuple, int]] = {}
     for n in nodes:
@@ -127,6 +138,7 @@ def redistributions(g: GraphDocument, nodes: list[GraphNode], chosen: Mapping[st
                     redistributed.add((ref, dst_pl, dtype))
                     f_c = reshard(src_pl, dst_pl, bytes_as(nbytes, meta.dtype, dtype), mesh, cost.links,
                                   cost.overhead_s, cost.all_to_all)
+                    gathered_first[(ref, dst_pl, dtype)], gathered_where[(ref, dst_pl, dtype)] = f_c, where
                     summed = partial_union(copy_grads[(ref, dst_pl, dtype)], grad_pl)
                     grad_nbytes = cost.reduced_grad_nbytes(by_id[src_id], o, dtype)
                     b_c = reshard(summed, backward_target(summed, src_pl), nbytes if grad_nbytes is None
@@ -134,6 +146,11 @@ def redistributions(g: GraphDocument, nodes: list[GraphNode], chosen: Mapping[st
                                   cost.all_to_all) if needs_grad else ()
                 fwd += collective_dicts(f_c, "forward", where)
                 bwd += collective_dicts(b_c, "backward", where)
+                key = (ref, dst_pl, moved_dtypes.get((n.id, k)))
+                if regather and by_id[src_id].kind == "param" and key not in regathered \
+                        and reads_input(n.op or "", len(n.inputs), k):
+                    regathered.add(key)
+                    bwd += collective_dicts(gathered_first[key], "backward", f"regather: {gathered_where[key]}")
                 edges.append({"src": src_id, "dst": n.id, "arg": k, "src_placements": list(src_pl),
                               "dst_placements": list(dst_pl), "collectives": collective_dicts(f_c, "forward", where),
                               "cost_s": sum(x.cost_s for x in f_c) + sum(x.cost_s for x in b_c)})

@@ -42,12 +42,14 @@ from cauto.solver.strategies.node import Strategy
 
 
 def build(graph: GraphDocument, cluster: ClusterSpec, *, follow: bool = True, share_layers: bool = True,
-          progress: ProgressFn | None = None, offload: OffloadModel | None = None, reduce_dtype: str | None = None):
+          progress: ProgressFn | None = None, offload: OffloadModel | None = None, reduce_dtype: str | None = None,
+          regather: bool = False):
     """(strategies, cost model, memory model, problem) of a validated graph on a cluster.
 
     ``progress`` hears the phases "strategies" and "costs", node by node. With ``offload`` the cost
     and memory models count replicated parameters as chunked (offload/). ``reduce_dtype``: the dtype name
-    gradients are reduced in below their own (mixed precision's "bfloat16"; cost/model.py)."""
+    gradients are reduced in below their own (mixed precision's "bfloat16"; cost/model.py). ``regather``:
+    gathered parameters are gathered again in backward (plan ``execution.regather_params``; memory/model.py)."""
     mesh = tuple(cluster.mesh_shape)
     train = bool(graph.settings.get("train", True))
     strategies = enumerate_strategies(graph, mesh, tuple(cluster.axis_names), progress)
@@ -56,6 +58,7 @@ def build(graph: GraphDocument, cluster: ClusterSpec, *, follow: bool = True, sh
     nodes = [n for n in graph.nodes if n.kind != "output"]
     replicated = {n.id: strategies[n.id][0] for n in nodes}
     memory.calibrate(nodes, replicated, int(graph.memory.get("peak_bytes", 0)), graph.memory)
+    memory.regather = regather
     cost.set_tie_break(sum(cost.compute_s(n, replicated[n.id]) for n in nodes), memory.peak(nodes, replicated)[0])
     if offload is not None:
         strategies = offload.restrict(graph, strategies)
@@ -167,7 +170,7 @@ def solve_sharding(graph: GraphDocument | Mapping, cluster: ClusterSpec, *, memo
                    time_limit_s: float = 60.0, solver: str = "cbc", follow: bool = True, share_layers: bool = True,
                    timings: dict | None = None, progress: ProgressFn | None = None, offload: bool = False,
                    offload_axes: tuple[int, ...] | None = None, reduce_dtype: str | None = None,
-                   device_budget: int | None = None, program: bool = False) -> PlanSections:
+                   device_budget: int | None = None, program: bool = False, regather: bool = False) -> PlanSections:
     """The sharding solve (``solve``'s arguments): the sharding section with its ``solver`` section and,
     with ``offload``, the offload model's section (document.py)."""
     start = time.perf_counter()
@@ -178,7 +181,8 @@ def solve_sharding(graph: GraphDocument | Mapping, cluster: ClusterSpec, *, memo
     chunks = OffloadModel.for_graph(g, cluster, budget if device_budget is None else device_budget,
                                     offload_axes) if offload else None
     strategies, cost, memory, problem = build(g, cluster, follow=follow, share_layers=share_layers,
-                                              progress=progress, offload=chunks, reduce_dtype=reduce_dtype)
+                                              progress=progress, offload=chunks, reduce_dtype=reduce_dtype,
+                                              regather=regather)
     built = time.perf_counter()
     if progress is not None:
         progress("ilp", 0, 1)
@@ -244,7 +248,7 @@ def solve(graph: GraphDocument | Mapping, cluster: ClusterSpec, *, memory_budget
           time_limit_s: float = 60.0, solver: str = "cbc", follow: bool = True, share_layers: bool = True,
           timings: dict | None = None, progress: ProgressFn | None = None, offload: bool = False,
           offload_axes: tuple[int, ...] | None = None, reduce_dtype: str | None = None,
-          device_budget: int | None = None, program: bool = False) -> dict:
+          device_budget: int | None = None, program: bool = False, regather: bool = False) -> dict:
     """Plan ``graph`` on ``cluster``: return a plan document (plan.schema.json) that fits the budget.
 
     ``graph`` is a dict (validated here) or a GraphDocument from ``cauto.plan.load_graph`` (already
@@ -261,9 +265,11 @@ def solve(graph: GraphDocument | Mapping, cluster: ClusterSpec, *, memory_budget
     ``reduce_dtype``: see ``build``. ``device_budget`` (with ``offload``): the chunk manager's device
     budget when it is not ``memory_budget`` (the joint search with chunked state solves the ILP under
     other limits for one device budget: joint.py); ``program``: the runtime runs the plan as a program
-    even where the model as written could run it (a plan with checkpoint regions).
+    even where the model as written could run it (a plan with checkpoint regions); ``regather``: gathered
+    parameters are freed after forward and gathered again in backward (``execution.regather_params``).
     """
     return plan_document(solve_sharding(graph, cluster, memory_budget=memory_budget, time_limit_s=time_limit_s,
                                         solver=solver, follow=follow, share_layers=share_layers, timings=timings,
                                         progress=progress, offload=offload, offload_axes=offload_axes,
-                                        reduce_dtype=reduce_dtype, device_budget=device_budget, program=program))
+                                        reduce_dtype=reduce_dtype, device_budget=device_budget, program=program,
+                                        regather=regather))

@@ -154,8 +154,11 @@ def recompute_collectives(plan_doc: dict, regions: list[dict], graph_doc: dict) 
     else:
         edges = {(e["dst"], e["arg"]) for e in plan_doc.get("edges", [])}
         times = dict.fromkeys(recomputed_inputs(graph_doc, regions, edges), 1)
+    regathered = bool((plan_doc.get("execution") or {}).get("regather_params"))
     out = []
     for edge in plan_doc.get("edges", []):
+        if regathered and edge.get("src") in plan_doc.get("params", {}):
+            continue  # gathered again for backward once, listed as "regather: <edge>" (sharding_section.py)
         for _ in range(times.get((edge["dst"], edge["arg"]), 0)):
             for c in edge["collectives"]:
                 out.append({**c, "phase": "backward", "where": f"recompute: {c.get('where', edge['dst'])}"})

@@ -82,16 +82,21 @@ class CostModel:
         return reshard_cost_s(src, dst, nbytes, self.mesh_shape, self.links, self.overhead_s, self.all_to_all)
 
     def edge_cost_s(self, src: Placements, dst: Placements, grad: Placements, nbytes: int, needs_grad: bool,
-                    fanout: int = 1, moved_nbytes: int | None = None, grad_nbytes: int | None = None) -> float:
+                    fanout: int = 1, moved_nbytes: int | None = None, grad_nbytes: int | None = None,
+                    regathered: bool = False) -> float:
         """Forward plus backward seconds of one producer->consumer edge (module docstring).
         ``moved_nbytes``: the forward moves fewer bytes than the gradient (mixed precision: the value
         is cast to bf16 before it moves, the gradient is reduced in fp32; memory/casts.py);
-        ``grad_nbytes``: the gradient's collective moves fewer bytes (a bf16 reduce dtype)."""
-        key = (src, dst, grad, nbytes, needs_grad, fanout, moved_nbytes, grad_nbytes)
+        ``grad_nbytes``: the gradient's collective moves fewer bytes (a bf16 reduce dtype);
+        ``regathered``: the backward redistributes the value again (a parameter gathered anew for its
+        consumer's backward, plan ``execution.regather_params``)."""
+        key = (src, dst, grad, nbytes, needs_grad, fanout, moved_nbytes, grad_nbytes, regathered)
         hit = self._pair_cache.get(key)
         if hit is not None:
             return hit
         t = self.reshard_s(src, dst, nbytes if moved_nbytes is None else moved_nbytes)
+        if regathered and src != dst:
+            t *= 2
         if needs_grad:
             back = self.reshard_s(grad, backward_target(grad, src), nbytes if grad_nbytes is None else grad_nbytes)
             t += back if src != dst else back / fanout
@@ -109,10 +114,10 @@ class CostModel:
 
     def edge_matrix(self, src_pls: tuple[Placements, ...], consumer: tuple[Strategy, ...], arg: int,
                     nbytes: int, needs_grad: bool, fanout: int = 1, moved_nbytes: int | None = None,
-                    grad_nbytes: int | None = None) -> np.ndarray:
+                    grad_nbytes: int | None = None, regathered: bool = False) -> np.ndarray:
         """Cost matrix [producer strategy, consumer strategy] of one edge, in seconds (cached)."""
         key = (src_pls, tuple((s.inputs[arg], s.input_grads[arg]) for s in consumer), nbytes, needs_grad, fanout,
-               moved_nbytes, grad_nbytes)
+               moved_nbytes, grad_nbytes, regathered)
         hit = self._edge_cache.get(key)
         if hit is not None:
             return hit
@@ -120,7 +125,7 @@ class CostModel:
         for i, src in enumerate(src_pls):
             for j, s in enumerate(consumer):
                 m[i, j] = self.edge_cost_s(src, s.inputs[arg], s.input_grads[arg], nbytes, needs_grad, fanout,
-                                           moved_nbytes, grad_nbytes)
+                                           moved_nbytes, grad_nbytes, regathered)
         m.setflags(write=False)
         self._edge_cache[key] = m
         return m

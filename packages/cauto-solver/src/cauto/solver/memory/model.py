@@ -54,7 +54,7 @@ from cauto.plan import GraphNode, split_ref
 from cauto.plan.dtypes import ITEMSIZE
 from cauto.plan.precision import bytes_as
 from cauto.solver.checkpoint.linearize import op_name
-from cauto.solver.checkpoint.recompute import read_inputs
+from cauto.solver.checkpoint.recompute import read_inputs, reads_input
 from cauto.solver.cost.reshard import retained_bytes
 from cauto.solver.memory.casts import entry_casts
 from cauto.solver.memory.layout import activation_inputs, layout_copies, needs_gradient
@@ -98,6 +98,10 @@ class MemoryModel:
         #: that input the op casts on entry and saves}; (op id, input index) -> dtype it moves in
         self.saved_casts: dict[str, dict[int, int]] = {}
         self.moved_dtypes: dict[tuple[str, int], str] = {}
+        #: plan ``execution.regather_params``: a gathered parameter copy is not saved for backward but
+        #: lives while its consumer runs and again, gathered anew, during its consumer's backward when
+        #: that backward reads it (``regathered_param_bytes``)
+        self.regather = False
 
     # ------------------------------------------------------------------ per-node terms
     def state_bytes(self, node: GraphNode, strategy: Strategy) -> int:
@@ -192,7 +196,34 @@ class MemoryModel:
     def gathered_bytes(self, consumer: GraphNode, param: GraphNode, stored: tuple[str, ...],
                        needed: tuple[str, ...], arg: int = -1) -> int:
         """Bytes of a parameter copy redistributed for ``consumer`` (its input ``arg``) and saved for its
-        backward: in the dtype the consumer computes with (its entry cast under mixed precision)."""
+        backward: in the dtype the consumer computes with (its entry cast under mixed precision). None
+        is saved where the plan gathers parameters again in backward (``regather``)."""
+        if self.regather:
+            return 0
+        return self.gathered_copy_bytes(consumer, param, stored, needed, arg)
+
+    def regathered_param_bytes(self, consumer: GraphNode, by_id: Mapping[str, GraphNode],
+                               chosen: Mapping[str, Strategy], backward: bool) -> int:
+        """With ``regather``: bytes of the parameter copies gathered for ``consumer``, live while it runs
+        (``backward`` False: every such copy) or while its backward runs (True: the copies its backward
+        reads, ``BACKWARD_READS``, gathered again just before it). 0 without ``regather``."""
+        if not self.regather or not self.train:
+            return 0
+        s = chosen[consumer.id]
+        total = 0
+        for k, ref in enumerate(consumer.inputs):
+            src = by_id.get(split_ref(ref)[0])
+            if src is None or src.kind != "param" or k >= len(s.inputs):
+                continue
+            if backward and not reads_input(consumer.op or "", len(consumer.inputs), k):
+                continue
+            total += self.gathered_copy_bytes(consumer, src, output_placement(chosen, src), s.inputs[k], k)
+        return total
+
+    def gathered_copy_bytes(self, consumer: GraphNode, param: GraphNode, stored: tuple[str, ...],
+                            needed: tuple[str, ...], arg: int = -1) -> int:
+        """Bytes per device of a parameter copy redistributed for ``consumer`` (its input ``arg``)
+        (``gathered_bytes``, whether saved or not)."""
         if not self.train or param.kind != "param" or stored == needed:
             return 0
         if consumer.labels is not None and consumer.labels.rule == "embedding":
@@ -239,8 +270,9 @@ class MemoryModel:
                 src = by_id.get(split_ref(ref)[0])
                 if src is not None and src.kind == "param" and k < len(s.inputs):
                     cum += self.gathered_bytes(n, src, output_placement(chosen, src), s.inputs[k], k)
-            bwd_extra = max(bwd_extra, self.backward_extra_bytes(n, s))
-            live = cum + self.transient_bytes(n, s)
+            bwd_extra = max(bwd_extra, self.backward_extra_bytes(n, s)
+                            + self.regathered_param_bytes(n, by_id, chosen, backward=True))
+            live = cum + self.transient_bytes(n, s) + self.regathered_param_bytes(n, by_id, chosen, backward=False)
             if live >= best:
                 best, best_t = live, t
         phase = "forward"

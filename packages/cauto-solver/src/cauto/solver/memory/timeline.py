@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cauto.plan import GraphDocument, check_plan_matches_graph
+from cauto.plan.execution import regathers_params
 from cauto.solver.errors import SolverError
 from cauto.solver.inputs import graph_document
 from cauto.solver.memory.model import MemoryModel
@@ -97,6 +98,7 @@ def device_timeline(plan: Mapping, graph: GraphDocument | Mapping) -> DeviceTime
     nodes = [n for n in g.nodes if n.kind != "output"]
     memory.calibrate(nodes, {n.id: strategies[n.id][0] for n in nodes}, int(g.memory.get("peak_bytes", 0)), g.memory)
     chosen = plan_strategies(plan, g, strategies)
+    memory.regather = regathers_params(plan.get("execution"))
     memory = with_plan_chunks(plan, nodes, memory)
     return _walk(memory, nodes, chosen, list((plan.get("checkpoint") or {}).get("regions") or []))
 
@@ -138,6 +140,7 @@ def device_peak_judge(graph_doc: dict):
                              g.memory)
             models[key] = (strategies, memory)
         strategies, memory = models[key]
+        memory.regather = regathers_params(plan_doc.get("execution"))
         chosen = plan_strategies(plan_doc, g, strategies)
         return predicted_peak_bytes(with_plan_chunks(plan_doc, nodes, memory), nodes, chosen, regions)
 

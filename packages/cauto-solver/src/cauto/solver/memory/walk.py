@@ -349,7 +349,8 @@ def _forward_points(walk: _Walk, nesting: _Nesting, saved: dict[str, int], state
         else:
             outside += saved[n.id]
             live = outside + inputs_held
-        points.append(("forward", n.id, state + live + walk.memory.transient_bytes(n, s)))
+        points.append(("forward", n.id, state + live + walk.memory.transient_bytes(n, s)
+                       + walk.memory.regathered_param_bytes(n, walk.by_id, walk.chosen, backward=False)))
     return points
 
 
@@ -479,10 +480,12 @@ def _backward_points(walk: _Walk, nesting: _Nesting, frees: _Freed, state: int,
         grads += pending[t]
         scratch = max(memory.transient_bytes(n, s), memory.backward_workspace_bytes(n),
                       _regathered_bytes(walk, nesting, n))
-        here = state + live + grads + handed_over[t] + out_grads + scratch \
+        regathered = memory.regathered_param_bytes(n, by_id, chosen, backward=True)
+        here = state + live + grads + handed_over[t] + out_grads + scratch + regathered \
             + _input_gradients_peak(n, grad_bytes, frees.released.get(n.id, {}))
         if not members:  # at least what the calibrated model says (model.py: all saved + n's backward extra)
-            here = max(here, state + saved_upto[None][-1] + memory.backward_extra_beside_workspace(n, s))
+            here = max(here, state + saved_upto[None][-1] + memory.backward_extra_beside_workspace(n, s)
+                       + regathered)
         points.append(("backward", n.id, here))
         if staged:  # after n's backward freed its saved tensors and its outputs' gradients
             points.append(("backward", n.id, state + live - freed[n.id] - copy_freed_by.get(n.id, 0) + grads
