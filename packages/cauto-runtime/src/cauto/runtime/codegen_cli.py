@@ -13,6 +13,7 @@ import argparse
 import sys
 
 from cauto.plan import DocumentError, MismatchError, check_output, write_atomic
+from cauto.plan.execution import regathers_params
 from cauto.profiler.capture import CaptureError
 from cauto.profiler.target import UsageError, bind_sizes, load_target
 
@@ -81,7 +82,8 @@ def local_program_of(cap, plan, mesh, executable):
     if plain:  # data parallel: the runtime keeps these parameters plain (apply._replicated_as_plain)
         state = [torch.nn.Parameter(x._local_tensor, requires_grad=True) if i in plain else x
                  for i, x in enumerate(state)]
-    lowered = LocalProgram(executable.module, mesh, plain=plain, plan_nodes=plan.nodes)
+    lowered = LocalProgram(executable.module, mesh, plain=plain, plan_nodes=plan.nodes,
+                           regather=regathers_params(plan.execution))
     lowered.prepare(state, inputs)
     return lowered
 

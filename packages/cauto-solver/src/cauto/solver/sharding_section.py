@@ -32,7 +32,7 @@ from cauto.plan import CURRENT_VERSION, GraphDocument, GraphNode, split_ref
 from cauto.plan.execution import GRAD_OF
 from cauto.plan.precision import bytes_as
 from cauto.plan.versioning import format_version
-from cauto.solver.checkpoint.recompute import reads_input
+from cauto.solver.checkpoint.recompute import backward_keeps
 from cauto.solver.cluster import ClusterSpec
 from cauto.solver.cost.model import CostModel
 from cauto.solver.cost.reshard import Collective, backward_target, is_partial, reshard
@@ -106,8 +106,8 @@ def redistributions(g: GraphDocument, nodes: list[GraphNode], chosen: Mapping[st
     """(``edges``, their forward collectives, their backward collectives, gradients arriving without
     an edge: value ref (a parameter: its owner's id) -> {gradient placement: bytes}). ``moved_dtypes``:
     inputs moved in the dtype their consumer casts them to (mixed precision, memory/casts.py).
-    ``regather`` (plan ``execution.regather_params``): each parameter copy that some consumer's backward
-    reads is gathered again in backward, once (the local program recomputes the copy where backward
+    ``regather`` (plan ``execution.regather_params``): each parameter (or user input) copy that some
+    consumer's backward keeps is gathered again in backward, once (the local program recomputes the copy where backward
     first reads it and keeps it to its last read): its forward collectives again, phase "backward",
     ``where`` "regather: <edge>"."""
     by_id = g.node_map()
@@ -147,8 +147,8 @@ def redistributions(g: GraphDocument, nodes: list[GraphNode], chosen: Mapping[st
                 fwd += collective_dicts(f_c, "forward", where)
                 bwd += collective_dicts(b_c, "backward", where)
                 key = (ref, dst_pl, moved_dtypes.get((n.id, k)))
-                if regather and by_id[src_id].kind == "param" and key not in regathered \
-                        and reads_input(n.op or "", len(n.inputs), k):
+                if regather and by_id[src_id].kind in ("param", "input") and key not in regathered \
+                        and backward_keeps(n.op or "", len(n.inputs), k):
                     regathered.add(key)
                     bwd += collective_dicts(gathered_first[key], "backward", f"regather: {gathered_where[key]}")
                 edges.append({"src": src_id, "dst": n.id, "arg": k, "src_placements": list(src_pl),

@@ -94,6 +94,17 @@ def reads_input(op: str, n_inputs: int, k: int) -> bool:
     return any(k in read for read in backward_reads(op, n_inputs).values())
 
 
+#: aten backward kernels that take an input as an argument without reading it for any gradient:
+#: op -> those input indices (``native_layer_norm_backward`` takes the bias)
+BACKWARD_ARGUMENTS: dict[str, tuple[int, ...]] = {"layer_norm": (2,)}
+
+
+def backward_keeps(op: str, n_inputs: int, k: int) -> bool:
+    """Whether autograd keeps input ``k`` of ``op`` for its backward: read for some gradient
+    (``reads_input``), or an argument of its aten backward kernel (``BACKWARD_ARGUMENTS``)."""
+    return reads_input(op, n_inputs, k) or k in BACKWARD_ARGUMENTS.get(op_name(op), ())
+
+
 def region_depths(regions: list[dict]) -> Counter:
     """Node id -> how many regions contain it (a region's ``nodes`` include its children's)."""
     depth: Counter = Counter()
@@ -155,9 +166,10 @@ def recompute_collectives(plan_doc: dict, regions: list[dict], graph_doc: dict) 
         edges = {(e["dst"], e["arg"]) for e in plan_doc.get("edges", [])}
         times = dict.fromkeys(recomputed_inputs(graph_doc, regions, edges), 1)
     regathered = bool((plan_doc.get("execution") or {}).get("regather_params"))
+    inputs = {n["id"] for n in graph_doc.get("nodes", []) if n.get("kind") == "input"}
     out = []
     for edge in plan_doc.get("edges", []):
-        if regathered and edge.get("src") in plan_doc.get("params", {}):
+        if regathered and (edge.get("src") in plan_doc.get("params", {}) or edge.get("src") in inputs):
             continue  # gathered again for backward once, listed as "regather: <edge>" (sharding_section.py)
         for _ in range(times.get((edge["dst"], edge["arg"]), 0)):
             for c in edge["collectives"]:

@@ -54,8 +54,8 @@ from cauto.plan import GraphNode, split_ref
 from cauto.plan.dtypes import ITEMSIZE
 from cauto.plan.precision import bytes_as
 from cauto.solver.checkpoint.linearize import op_name
-from cauto.solver.checkpoint.recompute import read_inputs, reads_input
-from cauto.solver.cost.reshard import retained_bytes
+from cauto.solver.checkpoint.recompute import backward_keeps, read_inputs
+from cauto.solver.cost.reshard import gather_staging_copies, retained_bytes
 from cauto.solver.memory.casts import entry_casts
 from cauto.solver.memory.layout import activation_inputs, layout_copies, needs_gradient
 from cauto.solver.strategies.node import Strategy, output_placement, shard_count
@@ -203,22 +203,29 @@ class MemoryModel:
         return self.gathered_copy_bytes(consumer, param, stored, needed, arg)
 
     def regathered_param_bytes(self, consumer: GraphNode, by_id: Mapping[str, GraphNode],
-                               chosen: Mapping[str, Strategy], backward: bool) -> int:
-        """With ``regather``: bytes of the parameter copies gathered for ``consumer``, live while it runs
-        (``backward`` False: every such copy) or while its backward runs (True: the copies its backward
-        reads, ``BACKWARD_READS``, gathered again just before it). 0 without ``regather``."""
+                               chosen: Mapping[str, Strategy], backward: bool) -> tuple[int, int]:
+        """With ``regather``: (bytes of the parameter copies gathered for ``consumer``, the most bytes
+        gathering one of them stages beside it). The copies are live while it runs (``backward`` False:
+        every such copy) or while its backward runs (True: the copies its backward reads,
+        ``BACKWARD_READS``, gathered again just before it); the staging (cost/reshard.py
+        ``gather_staging_copies``: an all-gather of an inner dimension gathers the chunks stacked on
+        dimension 0, then ``cat``s them into place) only while the copy is made. (0, 0) without
+        ``regather``."""
         if not self.regather or not self.train:
-            return 0
+            return 0, 0
         s = chosen[consumer.id]
-        total = 0
+        total = staging = 0
         for k, ref in enumerate(consumer.inputs):
             src = by_id.get(split_ref(ref)[0])
             if src is None or src.kind != "param" or k >= len(s.inputs):
                 continue
-            if backward and not reads_input(consumer.op or "", len(consumer.inputs), k):
+            if backward and not backward_keeps(consumer.op or "", len(consumer.inputs), k):
                 continue
-            total += self.gathered_copy_bytes(consumer, src, output_placement(chosen, src), s.inputs[k], k)
-        return total
+            stored = output_placement(chosen, src)
+            copy = self.gathered_copy_bytes(consumer, src, stored, s.inputs[k], k)
+            total += copy
+            staging = max(staging, copy * gather_staging_copies(stored, s.inputs[k], self.mesh_shape))
+        return total, staging
 
     def gathered_copy_bytes(self, consumer: GraphNode, param: GraphNode, stored: tuple[str, ...],
                             needed: tuple[str, ...], arg: int = -1) -> int:
@@ -270,9 +277,10 @@ class MemoryModel:
                 src = by_id.get(split_ref(ref)[0])
                 if src is not None and src.kind == "param" and k < len(s.inputs):
                     cum += self.gathered_bytes(n, src, output_placement(chosen, src), s.inputs[k], k)
-            bwd_extra = max(bwd_extra, self.backward_extra_bytes(n, s)
-                            + self.regathered_param_bytes(n, by_id, chosen, backward=True))
-            live = cum + self.transient_bytes(n, s) + self.regathered_param_bytes(n, by_id, chosen, backward=False)
+            again, staging = self.regathered_param_bytes(n, by_id, chosen, backward=True)
+            bwd_extra = max(bwd_extra, self.backward_extra_bytes(n, s) + again + staging)
+            again, staging = self.regathered_param_bytes(n, by_id, chosen, backward=False)
+            live = cum + again + max(self.transient_bytes(n, s), staging)
             if live >= best:
                 best, best_t = live, t
         phase = "forward"

@@ -349,8 +349,8 @@ def _forward_points(walk: _Walk, nesting: _Nesting, saved: dict[str, int], state
         else:
             outside += saved[n.id]
             live = outside + inputs_held
-        points.append(("forward", n.id, state + live + walk.memory.transient_bytes(n, s)
-                       + walk.memory.regathered_param_bytes(n, walk.by_id, walk.chosen, backward=False)))
+        copies, staging = walk.memory.regathered_param_bytes(n, walk.by_id, walk.chosen, backward=False)
+        points.append(("forward", n.id, state + live + copies + max(walk.memory.transient_bytes(n, s), staging)))
     return points
 
 
@@ -478,9 +478,9 @@ def _backward_points(walk: _Walk, nesting: _Nesting, frees: _Freed, state: int,
                     else:
                         staged = max(staged, grad * copies, result)
         grads += pending[t]
+        regathered, staging = memory.regathered_param_bytes(n, by_id, chosen, backward=True)
         scratch = max(memory.transient_bytes(n, s), memory.backward_workspace_bytes(n),
-                      _regathered_bytes(walk, nesting, n))
-        regathered = memory.regathered_param_bytes(n, by_id, chosen, backward=True)
+                      _regathered_bytes(walk, nesting, n), staging)
         here = state + live + grads + handed_over[t] + out_grads + scratch + regathered \
             + _input_gradients_peak(n, grad_bytes, frees.released.get(n.id, {}))
         if not members:  # at least what the calibrated model says (model.py: all saved + n's backward extra)

@@ -32,7 +32,7 @@ import numpy as np
 from cauto.plan import GraphDocument, GraphNode, split_ref
 from cauto.plan.dtypes import has_gradient
 from cauto.plan.precision import bytes_as
-from cauto.solver.checkpoint.recompute import reads_input
+from cauto.solver.checkpoint.recompute import backward_keeps
 from cauto.solver.cost.model import CostModel
 from cauto.solver.memory.model import MemoryModel
 from cauto.solver.strategies.node import Strategy, op_strategies, placeholder_strategies
@@ -318,7 +318,7 @@ class _ProblemBuilder:
                                   self.fan[f"{src}#{o}"], None if dtype is None else bytes_as(meta.bytes, meta.dtype, dtype),
                                   self.cost.reduced_grad_nbytes(self.by_id[src], o, dtype),
                                   self.memory.regather and self.memory.train and self.by_id[src].kind == "param"
-                                  and reads_input(n.op or "", len(n.inputs), k))
+                                  and backward_keeps(n.op or "", len(n.inputs), k))
         return pv, pidx, m
 
     def _gathered(self, n: GraphNode, k: int, ref: str, cols: np.ndarray) -> tuple[int, np.ndarray] | None:
