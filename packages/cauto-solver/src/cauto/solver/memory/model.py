@@ -20,7 +20,10 @@ a training step after the optimizer state exists):
   multiply) and takes through a redistribution is saved at the consumer's placement instead of the
   producer's; a reshape that was a view in the unsharded run but copies because a redistribution
   changed its input's memory layout adds that copy where a reader saves it (layout.py,
-  ``relaid_copies``). Both ``predict`` only; the ILP's ``peak`` keeps the producer's.
+  ``relaid_copies``). Both ``predict`` only; the ILP's ``peak`` keeps the producer's. With ``regather``
+  (plan ``execution.regather_params``) no gathered copy is saved: it lives while its consumer runs
+  and, gathered again, during its consumer's backward where that backward keeps it
+  (``regathered_param_bytes``, with the staging ``cat`` of an inner-dimension gather).
 * Backward: ``state + Σ saved + max_n backward_extra_n``: what the backward of node ``n`` adds on top
   of everything saved (gradients of activations and parameters it creates, less the saved tensors
   already freed). Taken from the graph's memory section: for every backward event of the unsharded

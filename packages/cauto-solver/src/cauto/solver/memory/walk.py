@@ -45,6 +45,9 @@ saved once its backward ran):
   allocates its smaller result) or, for any other collective, the result. A plan with nested regions
   runs on the DTensor interpreter, whose reduce-scatter onto an inner dimension holds the gradient,
   the stacked chunks, gloo's clone of them and the result at once (``INTERPRETER_STAGING_COPIES``).
+* With regather (plan ``execution.regather_params``): a gathered parameter copy is no op's saved bytes;
+  it is added at its consumer's forward point and, when that consumer's backward keeps it, at its
+  backward point (model.py ``regathered_param_bytes``; the local program recomputes the gather there).
 * Then the gradient synchronization and optimizer step, exactly as model.py predicts them.
 
 For a plan without regions each op's backward point is also at least the calibrated model's for it

@@ -26,9 +26,11 @@ class ChunkedCostModel(CostModel):
         return super().compute_s(node, strategy)
 
     def edge_cost_s(self, src, dst, grad, nbytes: int, needs_grad: bool, fanout: int = 1,
-                    moved_nbytes: int | None = None, grad_nbytes: int | None = None) -> float:
+                    moved_nbytes: int | None = None, grad_nbytes: int | None = None,
+                    regathered: bool = False) -> float:
         penalty_s = EDGE_PENALTY_S if self.offload.pure and src != dst else 0.0
-        return super().edge_cost_s(src, dst, grad, nbytes, needs_grad, fanout, moved_nbytes, grad_nbytes) + penalty_s
+        return super().edge_cost_s(src, dst, grad, nbytes, needs_grad, fanout, moved_nbytes, grad_nbytes,
+                                   regathered) + penalty_s
 
 
 def chunked_cost_model(base: CostModel, offload: OffloadModel) -> ChunkedCostModel:
