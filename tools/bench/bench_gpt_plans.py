@@ -10,7 +10,8 @@ The model: the zoo GPT with vocab 16384, d_model 512, 6 layers, 8 heads, seq 256
 * DP2xTP2: the same TP over the mesh's ``tp`` axis of 2, DDP over its ``dp`` axis of 2 (torch's
   ``_pre_dp_module_transform``), half the batch per data-parallel rank.
 
-cauto plans the same model (``checkpoint="auto"``, on mesh (4,) and (2, 2); the plan with the least
+cauto plans the same model (``checkpoint="auto"``, ``regather=True``: where no plan keeping its gathered
+parameters fits, plans that gather them again in backward; on mesh (4,) and (2, 2); the plan with the least
 predicted step time wins) at four per-rank budgets: none, and just under (98% of) the measured peak
 of DDP, of Megatron TP and of FSDP2. Each runs as ``apply`` builds it, fed its rank's slice of the
 batch (``model.input_slices()``).
@@ -256,7 +257,8 @@ def automatic_plans(graph, budgets: dict[str, int | None], out_dir: str,
         for mesh in ((WORLD,), (2, 2)):
             start = time.perf_counter()
             try:
-                doc = plan(graph, cluster_for_mesh(hardware, mesh), memory_budget=budget, checkpoint="auto")
+                doc = plan(graph, cluster_for_mesh(hardware, mesh), memory_budget=budget, checkpoint="auto",
+                           regather=True)
             except InfeasibleBudgetError as exc:
                 tried.append(f"{mesh}: {exc.needed_bytes / MiB:.0f} MiB needed")
                 continue

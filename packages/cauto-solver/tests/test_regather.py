@@ -66,3 +66,15 @@ def test_the_same_sharding_keeping_its_copies_peaks_higher_by_at_most_the_copies
                  and n["kind"] == "param") // 1
     assert peak_again == regathering["predictions"]["peak_bytes"]
     assert peak_again < peak_keep <= peak_again + copies
+
+
+def test_the_planner_searches_regather_only_when_asked_and_only_where_nothing_keeping_fits():
+    from cauto.solver import plan
+    cluster = cluster_for_mesh("cpu-gloo", (4,))
+    with pytest.raises(InfeasibleBudgetError):
+        plan(GRAPH, cluster, memory_budget=UNDER_FSDP2_BYTES)
+    doc = plan(GRAPH, cluster, memory_budget=UNDER_FSDP2_BYTES, regather=True)
+    assert doc["execution"]["regather_params"] is True and doc["options"]["regather"] is True
+    assert doc["predictions"]["peak_bytes"] <= UNDER_FSDP2_BYTES
+    roomy = plan(GRAPH, cluster, memory_budget=2 * UNDER_FSDP2_BYTES, regather=True)
+    assert "regather_params" not in roomy["execution"]  # a plan keeping its copies fits: no second gather

@@ -53,6 +53,11 @@ class PlanOptions:
     ``MixedPrecisionPolicy(reduce_dtype=torch.float32)``); "bf16": half the bytes, each gradient bucket
     (and each gathered parameter's reduce-scatter) cast to bf16 before the collective and back to fp32
     after it, as FSDP2's ``reduce_dtype=torch.bfloat16``. Needs mixed_precision."""
+    regather: bool = False
+    """Where no plan that keeps its gathered parameter copies from forward to backward fits the budget,
+    also search plans that gather them again in backward (plan ``execution.regather_params``, FSDP's
+    reshard after forward): one more all-gather per such parameter, for the copies' bytes. Off by default:
+    the second search doubles the planning time of a budget nothing keeping its copies fits."""
     solver: Solver = "cbc"
     """The ILP solver: "cbc" or "highs"."""
     time_limit_s: float = 60.0
@@ -83,6 +88,8 @@ class PlanOptions:
         if self.reduce_dtype != "fp32" and self.mixed_precision == "none":
             raise OptionsError(f"reduce dtype {self.reduce_dtype!r} is a mixed-precision choice: it needs mixed "
                                "precision 'bf16'")
+        if not isinstance(self.regather, bool):
+            raise OptionsError(f"regather {self.regather!r} is not true or false")
         if self.solver not in SOLVERS:
             raise OptionsError(f"unknown solver {self.solver!r}; use one of {SOLVERS}")
         if isinstance(self.time_limit_s, bool) or not isinstance(self.time_limit_s, numbers.Real) \
@@ -95,7 +102,7 @@ class PlanOptions:
                 "offload": self.offload,
                 "offload_axes": None if self.offload_axes is None else [int(a) for a in self.offload_axes],
                 "mixed_precision": self.mixed_precision, "reduce_dtype": self.reduce_dtype, "solver": self.solver,
-                "time_limit_s": float(self.time_limit_s)}
+                "time_limit_s": float(self.time_limit_s), "regather": self.regather}
 
     def to_dict(self) -> dict:
         """The options as the plan cache keys them: budget and checkpoint always; offload and its axes
@@ -110,4 +117,6 @@ class PlanOptions:
         if self.mixed_precision != "none":
             out["mixed_precision"] = self.mixed_precision
             out["reduce_dtype"] = self.reduce_dtype
+        if self.regather:
+            out["regather"] = True
         return out

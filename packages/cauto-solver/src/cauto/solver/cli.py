@@ -1,7 +1,7 @@
 """`cauto-solve`: plan a graph document on a mesh, or explain a plan.
 
     cauto-solve GRAPH --mesh 2x4 [--axis-names dp,tp] [--cluster FILE|PRESET] [--memory 70GiB]
-                [--checkpoint none|auto|rotor|chen] [--offload none|auto|chunked] [--offload-axes dp|0,1]
+                [--checkpoint none|auto|rotor|chen] [--offload none|auto|chunked] [--offload-axes dp|0,1] [--regather]
                 [--solver cbc|highs] [--time-limit S] -o plan.json
     cauto-solve explain PLAN [--graph GRAPH]
 
@@ -85,6 +85,9 @@ def _solve_parser() -> argparse.ArgumentParser:
                         "with --autocast bf16); fp16 is refused (no loss scaling)")
     p.add_argument("--reduce-dtype", default="fp32", choices=["fp32", "bf16"],
                    help="dtype of the gradient reductions under --mixed-precision bf16 (default fp32)")
+    p.add_argument("--regather", action="store_true",
+                   help="where no plan keeping gathered parameters from forward to backward fits, also search plans that "
+                        "gather them again in backward (FSDP's reshard after forward)")
     p.add_argument("--solver", default="cbc", choices=list(SOLVERS))
     p.add_argument("--time-limit", type=float, default=60.0, help="solver time limit in seconds")
     p.add_argument("-o", "--output", required=True, help="where to write the plan document")
@@ -132,7 +135,8 @@ def main(argv: list[str] | None = None, progress=None) -> int:
         graph = load_graph(args.graph)
         options = plan_options(memory_budget=budget, checkpoint=args.checkpoint, time_limit_s=args.time_limit,
                                solver=args.solver, offload=args.offload, offload_axes=offload_axes,
-                               mixed_precision=args.mixed_precision, reduce_dtype=args.reduce_dtype)
+                               mixed_precision=args.mixed_precision, reduce_dtype=args.reduce_dtype,
+                               regather=args.regather)
         plan = make_plan(graph, cluster, options, progress=progress)
         dump(plan, args.output, replace_symlink=args.replace_symlink)
         print(summary(plan))

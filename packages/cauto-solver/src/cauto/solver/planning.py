@@ -13,6 +13,12 @@ memory (``ClusterSpec.budget_bytes``):
 * "rotor" / "chen": the same joint search picks the sharding; the schedule uses that method only.
 Infeasible budgets raise InfeasibleBudgetError naming the least memory any split needs.
 
+``regather`` (off by default): where no device-only plan keeping its gathered parameter copies from
+forward to backward fits, the same search again with every gathered copy freed after forward and
+gathered again in backward (``execution.regather_params``; memory/model.py); still infeasible raises
+the error of whichever needs less. A regathering plan with nested regions is refused (they run on the
+DTensor interpreter, which cannot gather again).
+
 ``offload`` hands data-parallel model state to the runtime's chunk manager (offload/):
 * "none" (default): every parameter's state stays on the device.
 * "auto": only when no device-only plan (with the ``checkpoint`` method asked for) fits: then the
@@ -128,17 +134,36 @@ def _plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options: PlanOpt
                 return _chunked_plan(graph, cluster, options, progress)
             except InfeasibleBudgetError as with_chunks:
                 raise min(on_device, with_chunks, key=lambda e: e.needed_bytes or float("inf")) from None
+    try:
+        return _device_plan(graph, cluster, options, progress, regather=False)
+    except InfeasibleBudgetError as keeping:
+        if not options.regather:
+            raise
+        try:
+            regathering = _device_plan(graph, cluster, options, progress, regather=True)
+        except InfeasibleBudgetError as regathered:
+            raise min(keeping, regathered, key=lambda e: e.needed_bytes or float("inf")) from None
+        regions = (regathering.checkpoint.checkpoint if regathering.checkpoint is not None else {}) or {}
+        if any(r.get("children") for r in regions.get("regions", [])):
+            raise keeping from None  # nested regions run on the DTensor interpreter, which cannot regather
+        return regathering
+
+
+def _device_plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options: PlanOptions,
+                 progress: ProgressFn | None, regather: bool) -> PlanSections:
+    """The plan with every parameter's state on the device, its gathered parameters kept from forward
+    to backward or, with ``regather``, gathered again in backward (``execution.regather_params``)."""
     if options.checkpoint == "none":
         if options.memory_budget_bytes is None:  # the device's whole memory: no floor to keep
             return solve_sharding(graph, cluster, memory_budget=None, solver=options.solver,
                                   time_limit_s=options.time_limit_s, progress=progress,
-                                  reduce_dtype=reduce_dtype_name(options))
-        return _sharding_plan(graph, cluster, options, progress)
-    return _joint_plan(graph, cluster, options, progress)
+                                  reduce_dtype=reduce_dtype_name(options), regather=regather)
+        return _sharding_plan(graph, cluster, options, progress, regather)
+    return _joint_plan(graph, cluster, options, progress, regather)
 
 
 def _sharding_plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options: PlanOptions,
-                   progress: ProgressFn | None) -> PlanSections:
+                   progress: ProgressFn | None, regather: bool = False) -> PlanSections:
     """The sharding-only plan under an explicit budget M, monotonic and honest as the joint search is
     (joint.py, "Monotonic and honest"). The fastest-first search at M (the ILP, then its descent to the
     walk's prediction) depends on M: it found a 7.79 MB plan for the profiled test GPT at 7.80 MB and
@@ -155,7 +180,8 @@ def _sharding_plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options
     or there is none."""
     graph_doc = graph.to_dict() if isinstance(graph, GraphDocument) else dict(graph)
     budget = cluster.budget_bytes(options.memory_budget_bytes)
-    kwargs = dict(solver=options.solver, time_limit_s=options.time_limit_s, reduce_dtype=reduce_dtype_name(options))
+    kwargs = dict(solver=options.solver, time_limit_s=options.time_limit_s, reduce_dtype=reduce_dtype_name(options),
+                  regather=regather)
     error = None
     try:
         found = solve_sharding(graph_doc, cluster, memory_budget=budget, progress=progress, **kwargs)
@@ -234,7 +260,7 @@ ILP_ONLY_CHECKPOINT = {"method": "auto", "regions": [], "recompute_s": 0.0}
 
 
 def _joint_plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options: PlanOptions,
-                progress: ProgressFn | None) -> PlanSections:
+                progress: ProgressFn | None, regather: bool = False) -> PlanSections:
     """The joint search's plan (module docstring), or with "auto" the ILP-only plan where it is no slower."""
     checkpoint, solver, time_limit_s = options.checkpoint, options.solver, options.time_limit_s
     graph_doc = graph.to_dict() if isinstance(graph, GraphDocument) else dict(graph)
@@ -244,11 +270,12 @@ def _joint_plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options: P
         try:
             sharding = solve_sharding(graph_doc, cluster, memory_budget=budget, solver=solver,
                                       time_limit_s=time_limit_s, progress=progress,
-                                      reduce_dtype=reduce_dtype_name(options))
+                                      reduce_dtype=reduce_dtype_name(options), regather=regather)
             ilp_only = replace(sharding, checkpoint=CheckpointSection(dict(ILP_ONLY_CHECKPOINT)))
         except InfeasibleBudgetError as exc:
             ilp_error = exc
-    kwargs = dict(solver=solver, time_limit_s=time_limit_s, reduce_dtype=reduce_dtype_name(options))
+    kwargs = dict(solver=solver, time_limit_s=time_limit_s, reduce_dtype=reduce_dtype_name(options),
+                  regather=regather)
     solve_sharding_at = ilp_sharding(graph_doc, cluster, **kwargs)
     least = least_ilp_sharding(solve_sharding_at, graph_doc, cluster, **kwargs)
     if progress is not None:

@@ -65,6 +65,12 @@ from cauto.solver.strategies.node import Strategy, output_placement, shard_count
 
 OPTIMIZER_BYTES_PER_ELEM = {"adam": 8, "adamw": 8, "sgd": 0, "none": 0}
 
+GLOO_GATHER_STAGING_COPIES = 1
+"""Result-sized buffers gloo's ``all_gather_into_tensor`` holds beside its result while it runs (measured
+on 4 gloo ranks: a 2 MiB shard gathered into 8 MiB peaks at 16 MiB); NCCL writes the result in place.
+The meshes that cannot use all-to-all (``all_to_all`` False: the CPU presets) are the gloo ones. Counted
+where a regathered copy is made (``regathered_param_bytes``), in backward beside the peak's gradients."""
+
 KEEPS_ONLY_INPUTS = frozenset({"mse_loss"})
 """Ops whose profiled saved bytes beyond their outputs are not what the runtime keeps: the profile runs
 on meta tensors, where these ops are decomposed above autograd (``mse_loss``: sub, pow, mean; ``pow``
@@ -210,10 +216,11 @@ class MemoryModel:
         """With ``regather``: (bytes of the parameter copies gathered for ``consumer``, the most bytes
         gathering one of them stages beside it). The copies are live while it runs (``backward`` False:
         every such copy) or while its backward runs (True: the copies its backward reads,
-        ``BACKWARD_READS``, gathered again just before it); the staging (cost/reshard.py
-        ``gather_staging_copies``: an all-gather of an inner dimension gathers the chunks stacked on
-        dimension 0, then ``cat``s them into place) only while the copy is made. (0, 0) without
-        ``regather``."""
+        ``BACKWARD_READS``, gathered again just before it); the staging only while the copy is made:
+        cost/reshard.py ``gather_staging_copies`` (an all-gather of an inner dimension gathers the
+        chunks stacked on dimension 0, then ``cat``s them into place) or, on gloo, the output-sized
+        buffer its all-gather fills first (``GLOO_GATHER_STAGING_COPIES``), whichever is larger.
+        (0, 0) without ``regather``."""
         if not self.regather or not self.train:
             return 0, 0
         s = chosen[consumer.id]
@@ -227,7 +234,8 @@ class MemoryModel:
             stored = output_placement(chosen, src)
             copy = self.gathered_copy_bytes(consumer, src, stored, s.inputs[k], k)
             total += copy
-            staging = max(staging, copy * gather_staging_copies(stored, s.inputs[k], self.mesh_shape))
+            staging = max(staging, copy * max(gather_staging_copies(stored, s.inputs[k], self.mesh_shape),
+                                              GLOO_GATHER_STAGING_COPIES if not self.all_to_all else 0))
         return total, staging
 
     def gathered_copy_bytes(self, consumer: GraphNode, param: GraphNode, stored: tuple[str, ...],
