@@ -19,10 +19,11 @@ class InfeasibleBudgetError(SolverError):
     """
 
     def __init__(self, budget_bytes: int, needed_bytes: int, top_tensors: list[tuple[str, int]],
-                 reason: str | None = None):
+                 reason: str | None = None, hint: str | None = None):
         self.budget_bytes = budget_bytes
         self.needed_bytes = needed_bytes
         self.top_tensors = top_tensors
+        self.reason = reason
         if reason is not None:  # memory is not what fails (e.g. the plan the runtime needs does not exist)
             super().__init__(reason)
             return
@@ -32,8 +33,14 @@ class InfeasibleBudgetError(SolverError):
         super().__init__(
             f"no plan fits {_mib(budget_bytes, digits)} per device: the least-memory plan the search finds needs "
             f"{_mib(needed_bytes, digits)} ({needed_bytes} bytes){dominated}. Give more memory, a larger mesh, "
-            "or a smaller batch"
+            "or a smaller batch" + (f"; or {hint}" if hint else "")
         )
+
+    def with_hint(self, hint: str) -> InfeasibleBudgetError:
+        """The same error with one more thing to try at the end of its message (not where ``reason`` replaced it)."""
+        if self.reason is not None:
+            return self
+        return InfeasibleBudgetError(self.budget_bytes, self.needed_bytes, self.top_tensors, hint=hint)
 
 
 def _digits(budget_bytes: int, needed_bytes: int) -> int:

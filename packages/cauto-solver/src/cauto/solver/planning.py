@@ -138,7 +138,7 @@ def _plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options: PlanOpt
         return _device_plan(graph, cluster, options, progress, regather=False)
     except InfeasibleBudgetError as keeping:
         if not options.regather:
-            raise
+            raise keeping.with_hint(REGATHER_HINT) from None
         try:
             regathering = _device_plan(graph, cluster, options, progress, regather=True)
         except InfeasibleBudgetError as regathered:
@@ -147,6 +147,11 @@ def _plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options: PlanOpt
         if any(r.get("children") for r in regions.get("regions", [])):
             raise keeping from None  # nested regions run on the DTensor interpreter, which cannot regather
         return regathering
+
+
+#: what an infeasible budget's message adds where regather was not searched
+REGATHER_HINT = ("where the plan gathers parameters for use, free them after forward and gather them again in "
+                 "backward: plan with --regather (PlanOptions.regather)")
 
 
 def _device_plan(graph: GraphDocument | Mapping, cluster: ClusterSpec, options: PlanOptions,
