@@ -20,12 +20,15 @@ torch = pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "bench"))
 import bench_mixed_precision  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_capability import AVX2_ONLY, AVX2_REASON  # noqa: E402
+
 BF16_TOLERANCE = 1e-2
 #: the plan's predicted peak against verify_step's measured peak, every rank (issue 21)
 PEAK_TOLERANCE = 0.05
 
 
-@pytest.mark.parametrize("model", ["gpt", "gpt2"])
+@pytest.mark.parametrize("model", ["gpt", pytest.param("gpt2", marks=pytest.mark.skipif(AVX2_ONLY, reason=AVX2_REASON))])
 def test_bf16_on_4_gloo_ranks_tracks_eager_autocast(model, bf16_runs):
     """Zoo GPT and HF GPT-2 (a causal LM, captured under the plan's autocast), mesh 4 at 60% of the
     unsharded peak, 3 AdamW steps: the plan's program runs bf16 casts, keeps fp32 parameters and AdamW
@@ -60,6 +63,7 @@ def test_bf16_reduction_on_4_gloo_ranks():
     assert r["peak_worst_rel"] <= PEAK_TOLERANCE, (r["peak_predicted"], r["peak_measured"])
 
 
+@pytest.mark.skipif(AVX2_ONLY, reason=AVX2_REASON)
 def test_bf16_reduction_prices_parameter_gradients_at_half_their_bytes():
     """The same model and budget planned with each reduce dtype: every gradient synchronization of the
     bf16-reduce plan moves half the parameter's fp32 bytes, the fp32-reduce plan's all of them."""
@@ -117,6 +121,7 @@ def test_a_graph_profiled_without_autocast_is_not_planned_as_bf16():
     check_profiled_precision({"settings": {"autocast": "bf16"}}, PlanOptions(mixed_precision="bf16"))
 
 
+@pytest.mark.skipif(AVX2_ONLY, reason=AVX2_REASON)
 def test_bf16_plan_moves_the_inputs_of_lowered_ops_in_bf16_and_reduces_their_gradients_in_fp32():
     """An edge into an op autocast runs in bf16 (a linear reading a layer norm's fp32 output, or a
     gathered weight) moves half the bytes forward (cast, then moved: cauto.plan.precision); its backward
