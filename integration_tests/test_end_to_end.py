@@ -29,7 +29,8 @@ CASES = [  # target, mesh, per-device budget, checkpoint, allowed |measured/pred
     # Its regions end in a residual add after a tp all-reduce: the add's output is saved (the next region's
     # input, or the final norm's), and nothing in backward reads the all-reduce's result, so it does not
     # run again
-    ("cauto.profiler.zoo:llama", "2x2", "1.5MiB", "rotor", 0.05, False),
+    pytest.param("cauto.profiler.zoo:llama", "2x2", "1.5MiB", "rotor", 0.05, False,
+                 marks=pytest.mark.slow),  # 5 min here: `nox -s slow`
 ]
 
 

@@ -159,7 +159,6 @@ def test_tensor_parallel_beside_chunked_data_parallel_state_trains_like_one_proc
         assert r["arena_bytes"] < r["num_chunks"] * r["chunk_elems"] * 16 and r["traffic"]["h2d_bytes"] > 0, r
 
 
-@pytest.mark.slow
 def test_chunked_plan_trains_like_one_process(tmp_path):
     """2 gloo ranks, every parameter chunked and ZeRO-sharded, a device too small for the model state:
     per-step losses and final parameters equal an un-chunked single-process AdamW run."""

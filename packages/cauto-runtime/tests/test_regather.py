@@ -29,7 +29,6 @@ def _zero3(tmp_path, regather: bool) -> dict:
     return doc
 
 
-@pytest.mark.slow
 def test_zero3_with_regather_trains_as_one_process_and_gathers_again_in_backward(tmp_path):
     jobs = [dict(name=f"gpt_zero3_{r}", model="gpt", kwargs=KW, mesh=[2], axis_names=["dp"], check=None,
                  plan=_zero3(tmp_path, r)) for r in (False, True)]

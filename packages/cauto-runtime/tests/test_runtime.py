@@ -231,7 +231,6 @@ def test_parity_world3(tmp_path):
             assert_parity(rank_result, f"{m}_dp")
 
 
-@pytest.mark.slow
 def test_parity_world4_2x2(tmp_path):
     axes = ["dp", "tp"]
     jobs = [job("gpt_dp_tp", "gpt", [2, 2], axes, inputs="S(0),R", params=megatron("gpt", 2)),

@@ -141,7 +141,6 @@ def test_gradient_accumulation_syncs_once_per_step(tmp_path):
             assert "inside no_sync" in r["clip_in_no_sync"], r
 
 
-@pytest.mark.slow
 def test_launcher_accumulates_clips_and_verifies_per_optimizer_step(tmp_path):
     """``launch --accumulate 3 --max-norm 1 --verify`` on 2 data-parallel ranks: --verify counts
     over the whole optimizer step: the plan's forward and backward collectives 3 times (once per

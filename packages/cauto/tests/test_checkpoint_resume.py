@@ -21,7 +21,6 @@ def _losses(stdout: str) -> dict[int, str]:
     return {int(k): loss for k, loss in re.findall(r"^step (\d+)/\d+ loss (\S+)", stdout, re.M)}
 
 
-@pytest.mark.slow
 def test_kill_during_save_then_resume_gives_the_uninterrupted_losses(run_cauto, sharded_plan, tmp_path):
     run = ("run", TARGET, "--plan", str(sharded_plan), "--nproc", "2", "--timeout-s", "30")
     whole = run_cauto(*run, "--steps", "4")
