@@ -355,13 +355,19 @@ def main() -> None:
             verdicts.append(f"{label}: cauto {real['times'][name]:.2f} s vs {fastest} {real['times'][fastest]:.2f} s "
                             f"(the fastest hand plan within the budget): {real['times'][name] / real['times'][fastest]:.2f}x")
         else:
-            verdicts.append(f"{label}: no hand plan fits; cauto {'fits' if fits else 'does NOT fit'}")
+            named = label.removeprefix("under ")  # the hand plan whose peak the budget is just under
+            against = (f" ({named}, {max(real['peaks'][named]) / MiB:.1f} MiB, runs in {real['times'][named]:.2f} s: "
+                       f"cauto {real['times'][name] / real['times'][named]:.2f}x)" if named in real["times"] else "")
+            verdicts.append(f"{label}: no hand plan fits; cauto {'fits' if fits else 'does NOT fit'}{against}")
     predicted = [info[lb]["predicted_s"] for lb in plans]
     measured = [real["times"][f"cauto ({lb})"] for lb in plans]
     errors = [abs(p / m - 1) for p, m in zip(predicted, measured)]
 
-    def order(xs):
-        return sorted(range(len(xs)), key=lambda k: xs[k])
+    # plans predicted within 2% of each other (the same plan at several budgets: 7.17 s thrice) have no
+    # order to keep; every other pair must be measured in the order predicted
+    pairs = [(i, j) for i in range(len(plans)) for j in range(i + 1, len(plans))
+             if abs(predicted[i] / predicted[j] - 1) > 0.02]
+    discordant = [(i, j) for i, j in pairs if (predicted[i] < predicted[j]) != (measured[i] < measured[j])]
     machine = ("the cpu-gloo preset" if hardware == "cpu-gloo" else
                "this machine as tools/calibrate.py measured it just before (4 ranks at once): "
                + json.dumps(json.load(open(hardware))["device"]) + ", link " + json.dumps(json.load(open(hardware))["intra_node"]))
@@ -373,8 +379,8 @@ def main() -> None:
             + "\n\nAutomatic plan against the fastest hand plan that fits the same budget:\n\n"
             + "\n".join(f"* {v}" for v in verdicts)
             + f"\n\nStep-time prediction of cauto's plans: median error {statistics.median(errors) * 100:.0f}% "
-            f"(each: {', '.join(f'{e * 100:.0f}%' for e in errors)}); same order by prediction as by measurement: "
-            f"{'yes' if order(predicted) == order(measured) else 'no'}.\n")
+            f"(each: {', '.join(f'{e * 100:.0f}%' for e in errors)}); plans predicted more than 2% apart measured "
+            f"in the predicted order: {len(pairs) - len(discordant)} of {len(pairs)} pairs.\n")
     print(body)
     if args.write:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
