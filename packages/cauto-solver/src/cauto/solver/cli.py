@@ -86,8 +86,8 @@ def _solve_parser() -> argparse.ArgumentParser:
     p.add_argument("--reduce-dtype", default="fp32", choices=["fp32", "bf16"],
                    help="dtype of the gradient reductions under --mixed-precision bf16 (default fp32)")
     p.add_argument("--regather", action="store_true",
-                   help="where no plan keeping gathered parameters from forward to backward fits, also search plans that "
-                        "gather them again in backward (FSDP's reshard after forward)")
+                   help="also search plans that free gathered parameters after forward and gather them again in "
+                        "backward (FSDP's reshard after forward); the faster predicted plan that fits wins")
     p.add_argument("--solver", default="cbc", choices=list(SOLVERS))
     p.add_argument("--time-limit", type=float, default=60.0, help="solver time limit in seconds")
     p.add_argument("-o", "--output", required=True, help="where to write the plan document")
