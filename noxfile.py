@@ -3,8 +3,8 @@
 `nox` runs every test session (one per package, each in a venv holding only that package and its
 in-repo dependencies), the integration tests, the version-drift check and ruff: CI's run, which
 leaves out the tests marked ``slow``. `nox -s slow` runs those (long multi-process parity runs and
-budget sweeps; about 25 min on two cores). `nox -s demo` runs the main job. Every install goes through tools/constraints.txt, the one pin file (torch==2.13.0,
-the CPU build on local disk).
+budget sweeps). `nox -s demo` runs the main job. Every install goes through tools/constraints.txt,
+the one pin file (torch==2.13.0, the CPU build on local disk).
 """
 
 from __future__ import annotations
